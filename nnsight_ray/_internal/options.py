@@ -1,0 +1,100 @@
+"""Validated options for placing an engine's ranks on a Ray cluster.
+
+They travel from the user's call (``LocalVLLM(...)``, ``RayVLLM(...)``, a batch
+config) to the executor, which vLLM builds inside its engine-core process from
+the ``VllmConfig`` alone. They therefore ride ``VllmConfig.additional_config``
+(a plain dict vLLM carries everywhere) under one key, as JSON-able values.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ADDITIONAL_CONFIG_KEY = "nnsight_ray"
+NAMESPACE = "nnsight_ray"
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+class RankPlacement(BaseModel):
+    """Where and how each tensor/pipeline-parallel rank actor runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    placement_strategy: PlacementStrategy = Field(
+        "PACK", description="Ray placement-group strategy for the rank bundles."
+    )
+    placement_group_id: str | None = Field(
+        None, description="Hex id of an existing placement group to use (one bundle per rank, in rank order)."
+    )
+    cpus_per_rank: float = Field(1.0, ge=0, description="CPUs each rank's bundle reserves.")
+    gpus_per_rank: float = Field(1.0, ge=0, description="GPUs each rank's bundle reserves (GPU platforms only).")
+    placement_timeout_s: float = Field(
+        60.0, gt=0, description="How long to wait for the placement group before failing with what the cluster has."
+    )
+    engine_name: str | None = Field(
+        None, description="Prefix of the rank actors' names; defaults to vLLM's instance id."
+    )
+    ray_address: str | None = Field(
+        None, description="GCS address the engine-core process joins; defaults to the caller's cluster."
+    )
+    cpu_binding: str = Field(
+        "auto",
+        description="CPU platform: 'auto' splits each host's cores among its ranks, 'nobind' leaves threads alone, "
+        "or an explicit per-rank list like '0|1' (vLLM's VLLM_CPU_OMP_THREADS_BIND syntax).",
+    )
+
+
+RAY_OPTION_NAMES = frozenset(RankPlacement.model_fields) | {"placement_group"}
+
+
+def split_ray_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Separate this project's placement options from vLLM's engine kwargs."""
+    engine = {k: v for k, v in kwargs.items() if k not in RAY_OPTION_NAMES}
+    ray_options = {k: v for k, v in kwargs.items() if k in RAY_OPTION_NAMES}
+    return engine, ray_options
+
+
+def connect_ray(address: str | None = None) -> str:
+    """Join the cluster at ``address``/``RAY_ADDRESS``, or start a local one on 127.0.0.1.
+
+    Returns the GCS address, which the engine-core process (a separate process
+    vLLM spawns) uses to join the same cluster.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        address = address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, namespace=NAMESPACE)
+        else:
+            ray.init(namespace=NAMESPACE, include_dashboard=False, _node_ip_address="127.0.0.1")
+    return ray.get_runtime_context().gcs_address
+
+
+def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Turn ``distributed_executor_backend="ray"`` plus our options into vLLM engine kwargs."""
+    engine, ray_options = split_ray_options(kwargs)
+    if engine.get("distributed_executor_backend") != "ray":
+        if ray_options:
+            raise ValueError(
+                f"{sorted(ray_options)} only apply with distributed_executor_backend='ray'; "
+                "add it, or drop these options."
+            )
+        return engine
+    from .ray_executor import EXECUTOR_PATH
+
+    pg = ray_options.pop("placement_group", None)
+    if pg is not None:
+        ray_options["placement_group_id"] = pg.id.hex()
+    placement = RankPlacement(**ray_options)
+    if placement.ray_address is None:
+        placement.ray_address = connect_ray()
+    engine["distributed_executor_backend"] = EXECUTOR_PATH
+    engine["additional_config"] = {
+        **(engine.get("additional_config") or {}),
+        ADDITIONAL_CONFIG_KEY: placement.model_dump(),
+    }
+    return engine

@@ -1,0 +1,255 @@
+"""One Ray actor per tensor/pipeline-parallel rank, on CPU and GPU clusters.
+
+vLLM 0.32's ``RayExecutorV2`` already runs ranks as Ray actors over vLLM's
+message-queue control plane (shared memory on the driver's node, TCP across
+nodes) and a torch.distributed data plane. Three things keep it from serving
+this project: ``initialize_ray_cluster`` and ``RayWorkerProc`` refuse the CPU
+platform ("current platform cpu does not support ray": it has no
+``ray_device_key``), it places ranks by GPU only, and it neither names ranks by
+their (pp, tp) coordinates nor lets the user pick the placement strategy.
+
+``NNsightRayExecutor`` subclasses it and replaces only the start-up:
+
+1. *Placement.* One bundle per rank, ``{"CPU": cpus_per_rank}`` on CPU clusters,
+   plus ``{device_key: gpus_per_rank}`` on accelerator clusters, with the
+   user's strategy (or the user's own placement group). The wait is bounded;
+   on timeout the group is removed and the error names what was asked for and
+   what the cluster has.
+2. *Ranks.* Rank ``r = pp * tp_size + tp`` goes to bundle ``r``; its actor is
+   named ``<engine>.pp<p>.tp<t>`` in the ``nnsight_ray`` namespace.
+3. *Threads (CPU).* vLLM binds a CPU rank's OpenMP threads through environment
+   variables set before its process starts; a Ray actor's process already
+   exists, so each rank pins its own affinity and thread count before the
+   worker is built. Ranks are grouped by host IP (not node id: several raylets
+   on one machine share its cores) and each host's cores are split among them.
+
+Everything after start-up (message queues, busy loops, ``collective_rpc``,
+the death monitor, shutdown) is vLLM's own code path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from vllm import envs
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+from vllm.platforms import current_platform
+from vllm.v1.executor.multiproc_executor import FutureWrapper
+from vllm.v1.executor.ray_env_utils import get_driver_env_vars
+from vllm.v1.executor.ray_executor_v2 import RayExecutorV2, RayWorkerHandle, RayWorkerProc
+from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
+
+from ..errors import PlacementError
+from .options import ADDITIONAL_CONFIG_KEY, NAMESPACE, RankPlacement
+from .topology import RankId, cpu_binding_plan
+
+logger = logging.getLogger(__name__)
+
+
+class NNsightRankProc(RayWorkerProc):
+    """vLLM's Ray worker process, able to run on CPU-only nodes."""
+
+    def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
+        if not current_platform.ray_device_key:
+            return ray.get_runtime_context().get_node_id(), []
+        return super().get_node_and_physical_gpu_ids()
+
+    def host_info(self) -> dict[str, Any]:
+        """Where this actor landed: node id, host IP and the CPUs it may use."""
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "cpus": sorted(os.sched_getaffinity(0)),
+        }
+
+    def bind_cpus(self, cpus: list[int]) -> None:
+        """Pin this rank's threads to ``cpus`` before its worker starts any."""
+        import torch
+
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
+        os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+
+
+def _connect(placement: RankPlacement) -> None:
+    if ray.is_initialized():
+        return
+    address = placement.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+
+
+def _bundles(world_size: int, placement: RankPlacement) -> list[dict[str, float]]:
+    bundle: dict[str, float] = {"CPU": placement.cpus_per_rank}
+    device_key = current_platform.ray_device_key
+    if device_key:
+        bundle[device_key] = placement.gpus_per_rank
+    return [dict(bundle) for _ in range(world_size)]
+
+
+def acquire_placement_group(world_size: int, placement: RankPlacement) -> tuple[PlacementGroup, bool]:
+    """The rank bundles' placement group and whether we created it (and must remove it)."""
+    if placement.placement_group_id:
+        from ray._raylet import PlacementGroupID
+
+        pg = PlacementGroup(PlacementGroupID(bytes.fromhex(placement.placement_group_id)))
+        if len(pg.bundle_specs) < world_size:
+            raise PlacementError(
+                f"placement group {placement.placement_group_id} has {len(pg.bundle_specs)} bundles, "
+                f"but tensor_parallel_size x pipeline_parallel_size = {world_size} ranks need one each."
+            )
+        return pg, False
+    bundles = _bundles(world_size, placement)
+    pg = placement_group(bundles, strategy=placement.placement_strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=placement.placement_timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"could not place {world_size} rank bundles {bundles[0]} with strategy "
+            f"{placement.placement_strategy} within {placement.placement_timeout_s:.0f}s. "
+            f"Cluster total: {ray.cluster_resources()}; available now: {ray.available_resources()}; "
+            f"nodes: {sum(1 for n in ray.nodes() if n['Alive'])}. Lower cpus_per_rank/gpus_per_rank, "
+            "use a looser strategy (PACK/SPREAD), add nodes, or raise placement_timeout_s. Check `ray status`."
+        )
+    return pg, True
+
+
+class NNsightRayExecutor(RayExecutorV2):
+    """vLLM's Ray executor with placement, naming and CPU support of our own."""
+
+    uses_ray: bool = True
+    supports_pp: bool = True
+
+    def _init_executor(self) -> None:
+        self._finalizer = weakref.finalize(self, self.shutdown)
+        self.is_failed = False
+        self.failure_callback = None
+        self.shutting_down = False
+        self.shutdown_lock = threading.Lock()
+        self._owned_pg: PlacementGroup | None = None
+
+        placement = RankPlacement(**(self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}))
+        _connect(placement)
+        tp_size, pp_size, pcp_size = self._get_parallel_sizes()
+        if pcp_size != 1:
+            raise NotImplementedError("nnsight_ray's Ray executor does not support prefill context parallelism")
+        engine = placement.engine_name or f"engine-{self.vllm_config.instance_id}"
+
+        pg, owned = acquire_placement_group(self.world_size, placement)
+        if owned:
+            self._owned_pg = pg
+        self.parallel_config.placement_group = pg
+        bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
+        driver_node = ray.get_runtime_context().get_node_id()
+        rank_nodes = [bundle_nodes[rank] for rank in range(self.world_size)]
+
+        self.rpc_broadcast_mq = MessageQueue(
+            self.world_size,
+            sum(1 for node in rank_nodes if node == driver_node),
+            max_chunk_bytes=envs.VLLM_MQ_MAX_CHUNK_BYTES_MB * 1024 * 1024,
+            connect_ip=ray.util.get_node_ip_address(),
+        )
+        handle = self.rpc_broadcast_mq.export_handle()
+        runtime_env = self._build_runtime_env()
+        resources: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0}
+        if current_platform.ray_device_key == "GPU":
+            resources["num_gpus"] = placement.gpus_per_rank
+        elif current_platform.ray_device_key:
+            resources["resources"] = {current_platform.ray_device_key: placement.gpus_per_rank}
+
+        self.ray_worker_handles = []
+        self.rank_ids: list[RankId] = []
+        for rank in range(self.world_size):
+            rank_id = RankId(engine=engine, pp=rank // tp_size, tp=rank % tp_size)
+            actor = (
+                ray.remote(NNsightRankProc)
+                .options(
+                    name=rank_id.actor_name,
+                    namespace=NAMESPACE,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=rank
+                    ),
+                    runtime_env=runtime_env,
+                    **resources,
+                )
+                .remote(
+                    vllm_config=self.vllm_config,
+                    rank=rank,
+                    input_shm_handle=handle,
+                    is_driver_worker=self._is_driver_worker(rank),
+                    is_driver_node=rank_nodes[rank] == driver_node,
+                )
+            )
+            self.rank_ids.append(rank_id)
+            self.ray_worker_handles.append(
+                RayWorkerHandle(actor=actor, rank=rank, local_rank=-1, node_id=rank_nodes[rank], bundle_id_idx=rank)
+            )
+
+        actors = [h.actor for h in self.ray_worker_handles]
+        placed = ray.get([a.get_node_and_physical_gpu_ids.remote() for a in actors])
+        hosts = ray.get([a.host_info.remote() for a in actors])
+        if current_platform.is_cpu():
+            plan = cpu_binding_plan(hosts, placement.cpu_binding)
+            ray.get([a.bind_cpus.remote(cpus) for a, cpus in zip(actors, plan) if cpus])
+
+        # Local rank: position among the ranks on the same node, as vLLM counts it.
+        node_ranks: dict[str, list[int]] = {}
+        for rank, (node_id, _) in enumerate(placed):
+            node_ranks.setdefault(node_id, []).append(rank)
+        node_gpus: dict[str, list[int]] = {}
+        for node_id, gpus in placed:
+            node_gpus.setdefault(node_id, []).extend(gpus)
+        init_method = ray.get(actors[0].create_dist_init_method.remote())
+        driver_env = get_driver_env_vars(worker_specific_vars=WORKER_SPECIFIC_ENV_VARS)
+        refs = []
+        for rank, (node_id, _) in enumerate(placed):
+            local_rank = node_ranks[node_id].index(rank)
+            self.ray_worker_handles[rank].local_rank = local_rank
+            refs.append(
+                actors[rank].initialize_worker.remote(
+                    local_rank,
+                    {},
+                    init_method,
+                    driver_env,
+                    assigned_physical_gpu_ids=sorted(node_gpus[node_id]) or None,
+                )
+            )
+        ray.get(refs)
+
+        ready = ray.get([a.wait_for_init.remote() for a in actors])
+        self.response_mqs = []
+        for rank, result in enumerate(ready):
+            if result["status"] != RayWorkerProc.READY_STR:
+                raise RuntimeError(f"rank {self.rank_ids[rank]} failed to initialize: {result}")
+            self.response_mqs.append(MessageQueue.create_from_handle(result["handle"], 0))
+        for h in self.ray_worker_handles:
+            h.run()
+        self.rpc_broadcast_mq.wait_until_ready()
+        for mq in self.response_mqs:
+            mq.wait_until_ready()
+
+        self.futures_queue = deque[FutureWrapper]()
+        self._post_init_executor()
+        self.start_worker_monitor()
+        self.output_rank = self._get_output_rank()
+        logger.info("engine %s: %d rank actors up (tp=%d, pp=%d)", engine, self.world_size, tp_size, pp_size)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        pg, self._owned_pg = getattr(self, "_owned_pg", None), None
+        if pg is not None:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # cluster already gone
+                logger.debug("could not remove placement group", exc_info=True)
+
+
+EXECUTOR_PATH = f"{NNsightRayExecutor.__module__}.{NNsightRayExecutor.__qualname__}"

@@ -1,0 +1,159 @@
+"""Tiny, deterministic checkpoints to test and demo with, built by the project.
+
+No model can be downloaded on the machines this project is developed and tested
+on, so the project writes its own: a randomly initialised (seeded) HuggingFace
+checkpoint plus a character-level tokenizer, saved with ``save_pretrained`` so
+vLLM, nnsight and transformers all load the same folder.
+
+Two architectures give two module trees: ``llama`` (``model.layers[i]``, decoder
+layers returning ``(hidden, residual)`` in vLLM) and ``gpt2``
+(``transformer.h[i]``, returning the hidden state alone). Both keep
+``head_dim = 64``: vLLM's CPU attention kernels refuse smaller heads.
+
+Usage::
+
+    python -m nnsight_ray.models /tmp/tiny-llama --arch llama
+    nnsight-ray build-model /tmp/tiny-gpt2 --arch gpt2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ARCHITECTURES", "ModelSpec", "build_model", "ensure_model"]
+
+# Characters the tokenizer knows; everything else maps to <unk>.
+_CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
+_SPECIALS = ["<unk>", "<s>", "</s>"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of one tiny checkpoint."""
+
+    arch: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_positions: int = 512
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+ARCHITECTURES: dict[str, ModelSpec] = {
+    # 4 layers so PP=2 puts two on each stage; 2 heads of 64 so TP=2 gives each
+    # rank one head.
+    "llama": ModelSpec("llama", hidden_size=128, num_layers=4, num_heads=2, num_kv_heads=2, intermediate_size=256),
+    "gpt2": ModelSpec("gpt2", hidden_size=128, num_layers=4, num_heads=2, num_kv_heads=2, intermediate_size=512),
+}
+
+
+def _build_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(_SPECIALS + list(_CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # One token per character, spaces included.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="</s>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _config(spec: ModelSpec, vocab_size: int, tokenizer):
+    common = dict(vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    if spec.arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            max_position_embeddings=spec.max_positions,
+            tie_word_embeddings=False,
+            dtype="float32",
+            **common,
+        )
+    if spec.arch == "gpt2":
+        from transformers import GPT2Config
+
+        return GPT2Config(
+            n_embd=spec.hidden_size,
+            n_layer=spec.num_layers,
+            n_head=spec.num_heads,
+            n_inner=spec.intermediate_size,
+            n_positions=spec.max_positions,
+            dtype="float32",
+            **common,
+        )
+    raise ValueError(f"unknown arch {spec.arch!r}; choose one of {sorted(ARCHITECTURES)}")
+
+
+def build_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0) -> Path:
+    """Write a seeded tiny checkpoint of ``arch`` and its tokenizer to ``path``.
+
+    The same ``(arch, seed)`` always gives the same weights, so tests and
+    references computed in different processes agree.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = ARCHITECTURES[arch]
+    tokenizer = _build_tokenizer()
+    config = _config(spec, len(tokenizer), tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Larger-than-default init so layers visibly change the residual stream.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.08)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    (path / "nnsight_ray_model.json").write_text(json.dumps({"arch": arch, "seed": seed}))
+    return path
+
+
+def ensure_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0) -> Path:
+    """Build the checkpoint unless ``path`` already holds the same one."""
+    path = Path(path)
+    marker = path / "nnsight_ray_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == {"arch": arch, "seed": seed}:
+        return path
+    return build_model(path, arch=arch, seed=seed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="nnsight-ray build-model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", help="folder to write the checkpoint to")
+    parser.add_argument("--arch", default="llama", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(build_model(args.path, arch=args.arch, seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()
