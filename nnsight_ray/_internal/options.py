@@ -84,7 +84,7 @@ def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
                 "add it, or drop these options."
             )
         return engine
-    from .ray_executor import EXECUTOR_PATH
+    from .ray_executor import NNsightRayExecutor
 
     pg = ray_options.pop("placement_group", None)
     if pg is not None:
@@ -92,7 +92,9 @@ def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     placement = RankPlacement(**ray_options)
     if placement.ray_address is None:
         placement.ray_address = connect_ray()
-    engine["distributed_executor_backend"] = EXECUTOR_PATH
+    # The class, not its import path: vLLM reads `supports_pp` off it before it
+    # would resolve a path, and refuses pipeline parallelism otherwise.
+    engine["distributed_executor_backend"] = NNsightRayExecutor
     engine["additional_config"] = {
         **(engine.get("additional_config") or {}),
         ADDITIONAL_CONFIG_KEY: placement.model_dump(),

@@ -251,5 +251,3 @@ class NNsightRayExecutor(RayExecutorV2):
             except Exception:  # cluster already gone
                 logger.debug("could not remove placement group", exc_info=True)
 
-
-EXECUTOR_PATH = f"{NNsightRayExecutor.__module__}.{NNsightRayExecutor.__qualname__}"
