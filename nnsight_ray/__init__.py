@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LocalVLLM", "build_model", "ensure_model", "errors"]
+__all__ = ["LocalVLLM", "RayVLLM", "build_model", "ensure_model", "errors"]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,6 +17,10 @@ def __getattr__(name: str) -> Any:
         from .local import LocalVLLM
 
         return LocalVLLM
+    if name == "RayVLLM":
+        from .ray_vllm import RayVLLM
+
+        return RayVLLM
     if name in ("build_model", "ensure_model"):
         from . import models
 

@@ -16,13 +16,55 @@ placed by a placement group on any node of a Ray cluster (see
 
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 from nnsight.modeling.vllm import VLLM
 
 from ._internal import platform
+from .errors import RequestError
 
-__all__ = ["LocalVLLM"]
+__all__ = ["LocalVLLM", "intervention_error"]
+
+# One class per builtin exception type, so `except ValueError` and identity
+# checks see the same class every time.
+_TYPED_ERRORS: dict[str, type[RequestError]] = {}
+
+
+def _str(self: BaseException) -> str:
+    # KeyError's own __str__ would repr() the multi-line message.
+    return str(self.args[0]) if self.args else ""
+
+
+def intervention_error(deferred: dict, message: str) -> RequestError:
+    """The exception to raise at the caller for an intervention that failed in the engine.
+
+    nnsight 0.8.1 re-raises a worker's exception as a plain ``RuntimeError`` whose
+    message starts with the original type name (``"ValueError: boom"``), because
+    the exception object itself does not cross the process boundary. When the
+    original type is a builtin exception (``ValueError``, ``IndexError``,
+    ``KeyError``, ...), this returns an instance of a class deriving from both
+    :class:`~nnsight_ray.errors.RequestError` (so still a ``RuntimeError``,
+    nnsight's contract, with the same message) and that builtin type, so
+    ``except ValueError`` at the caller works as it would on a local model.
+    Other types (nnsight's own, user-defined) come back as ``RequestError``.
+    """
+    name = deferred.get("type_name") or "Exception"
+    original = getattr(builtins, name, None)
+    if (
+        not (isinstance(original, type) and issubclass(original, Exception))
+        or issubclass(RequestError, original)  # RuntimeError, Exception: already one
+        or issubclass(original, (StopIteration, StopAsyncIteration))  # iteration protocol, not errors
+    ):
+        return RequestError(message)
+    cls = _TYPED_ERRORS.get(name)
+    if cls is None:
+        try:
+            cls = type(name, (RequestError, original), {"__str__": _str, "__module__": __name__})
+        except TypeError:  # instance layout conflict with RuntimeError
+            cls = RequestError
+        _TYPED_ERRORS[name] = cls
+    return cls(message)
 
 
 class LocalVLLM(VLLM):
@@ -57,3 +99,22 @@ class LocalVLLM(VLLM):
 
         kwargs = configure_engine_kwargs(kwargs)
         return super()._load(repo_id, **kwargs)
+
+    @staticmethod
+    def _collect(mediators: list, outputs: list) -> None:
+        # nnsight raises a failed intervention as a bare RuntimeError; re-raise
+        # it with its original (builtin) type as well, see `intervention_error`.
+        try:
+            VLLM._collect(mediators, outputs)
+        except RuntimeError as exc:
+            deferred = next(
+                (
+                    error
+                    for error in (getattr(output, "nnsight_error", None) for output in outputs)
+                    if error and not error.get("is_control_flow")
+                ),
+                None,
+            )
+            if deferred is None or isinstance(exc, RequestError):
+                raise
+            raise intervention_error(deferred, str(exc)) from None

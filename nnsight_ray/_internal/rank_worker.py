@@ -1,18 +1,55 @@
 """RPC entry points every nnsight_ray rank answers, on any platform.
 
-Mixed into the CPU and GPU worker classes (see ``platform.worker_cls``) so that
-``collective_rpc("nnsight_ray_describe")`` reports, in rank order, where every
-rank runs, whichever executor (Ray ranks or vLLM's multiprocessing) built it.
+Mixed into the CPU and GPU worker classes (see ``platform.worker_cls``).
+
+``nnsight_ray_describe`` reports where a rank runs. ``nnsight_ray_stash`` is
+the distributed form of nnsight's ``collect_nnsight``: the engine calls it
+through ``collective_rpc`` when requests finish, and each rank *keeps* its
+pickled payload in this process instead of returning it through vLLM's
+message queues. The merge actor then takes each payload straight from the rank
+actor (``NNsightRankProc.take_payloads``), so saved tensors travel rank ->
+object store -> merge actor -> caller and never pass through the engine core
+or the engine actor, whose loop only ever sees payload sizes.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import threading
+import time
 from typing import Any
+
+# Payloads not taken within this many seconds are dropped (their merge actor
+# is gone); bounded so a lost merge never grows a rank's memory forever.
+STASH_TTL_S = float(os.environ.get("NNSIGHT_RAY_STASH_TTL_S", "900"))
+
+_stash: dict[str, tuple[float, bytes]] = {}
+_lock = threading.Lock()
+
+
+def stash_put(request_id: str, payload: bytes) -> None:
+    now = time.monotonic()
+    with _lock:
+        _stash[request_id] = (now, payload)
+        expired = [key for key, (at, _) in _stash.items() if now - at > STASH_TTL_S]
+        for key in expired:
+            del _stash[key]
+
+
+def stash_take(request_ids: list[str]) -> list[bytes | None]:
+    """Remove and return the payloads of ``request_ids`` (None where there is none)."""
+    with _lock:
+        return [(_stash.pop(rid, (0.0, None)))[1] for rid in request_ids]
+
+
+def stash_size() -> int:
+    with _lock:
+        return len(_stash)
 
 
 class RankRPCMixin:
-    """Describe this rank: its (pp, tp) coordinates and where Ray placed it."""
+    """Describe this rank; collect finished requests into the rank-local stash."""
 
     def nnsight_ray_describe(self) -> dict[str, Any]:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
@@ -35,3 +72,22 @@ class RankRPCMixin:
         except Exception:  # not under Ray (multiprocessing executor)
             pass
         return info
+
+    def nnsight_ray_stash(self, request_ids: list[str], outputs: bytes | None = None) -> list[int]:
+        """Collect each finished request on this rank and keep its payload here.
+
+        ``outputs`` is a pickled ``{request_id: RequestOutput}`` for serving
+        ``tracer.result`` (absent for aborted requests, which are only wound
+        up). Returns each payload's size in bytes, in order.
+        """
+        finished = pickle.loads(outputs) if outputs else {}
+        sizes = []
+        for rid in request_ids:
+            payload = self.collect_nnsight([rid], [rid], {rid: finished[rid]} if rid in finished else None)
+            payload = payload or b""
+            stash_put(rid, payload)
+            sizes.append(len(payload))
+        return sizes
+
+    def nnsight_ray_stash_size(self) -> int:
+        return stash_size()

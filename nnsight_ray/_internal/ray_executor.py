@@ -71,13 +71,32 @@ class NNsightRankProc(RayWorkerProc):
             "cpus": sorted(os.sched_getaffinity(0)),
         }
 
-    def bind_cpus(self, cpus: list[int]) -> None:
-        """Pin this rank's threads to ``cpus`` before its worker starts any."""
-        import torch
+    def take_payloads(self, request_ids: list[str]) -> list[bytes | None]:
+        """Hand the merge actor what ``nnsight_ray_stash`` kept for these requests.
 
-        os.sched_setaffinity(0, cpus)
-        torch.set_num_threads(len(cpus))
-        os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+        Runs on a second actor thread (the rank is created with
+        ``max_concurrency`` > 1) while ``run`` owns the first with vLLM's busy loop.
+        """
+        from .rank_worker import stash_take
+
+        return stash_take(request_ids)
+
+    def ping(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def bind_cpus(self, cpus: list[int]) -> None:
+        """Pin every thread of this rank's process to ``cpus`` before the worker starts.
+
+        ``sched_setaffinity`` is per thread on Linux, and Ray has already started
+        the actor's threads, so each existing thread is pinned; threads made later
+        (OpenMP's pool) inherit from their creator. The OpenMP thread count was
+        fixed at process start (``OMP_NUM_THREADS`` in the actor's runtime env).
+        """
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:  # the thread ended meanwhile
+                pass
 
 
 def _connect(placement: RankPlacement) -> None:
@@ -159,6 +178,8 @@ class NNsightRayExecutor(RayExecutorV2):
         )
         handle = self.rpc_broadcast_mq.export_handle()
         runtime_env = self._build_runtime_env()
+        if current_platform.is_cpu():
+            runtime_env.setdefault("env_vars", {})["OMP_NUM_THREADS"] = str(max(1, int(placement.cpus_per_rank)))
         resources: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0}
         if current_platform.ray_device_key == "GPU":
             resources["num_gpus"] = placement.gpus_per_rank
@@ -178,6 +199,9 @@ class NNsightRayExecutor(RayExecutorV2):
                         placement_group=pg, placement_group_bundle_index=rank
                     ),
                     runtime_env=runtime_env,
+                    # One thread for vLLM's busy loop (`run`), others for the
+                    # merge actor's `take_payloads` and health pings.
+                    max_concurrency=4,
                     **resources,
                 )
                 .remote(

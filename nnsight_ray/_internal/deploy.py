@@ -1,0 +1,316 @@
+"""The Ray edge: actor classes, their options, deploy / connect / shutdown.
+
+All ``ray.remote`` options (names, namespace, lifetime, resources, runtime env)
+are applied here and nowhere else; the logic lives in ``engine.py`` and
+``merge.py`` and never calls Ray itself.
+
+Names, in the ``nnsight_ray`` namespace, for a deployment called ``<name>``::
+
+    <name>.engine          EngineActor (the driver actor: vLLM's AsyncLLM)
+    <name>.merge<i>        MergeActor shard i (requests are sharded by group id)
+    <name>.pp<p>.tp<t>     rank actors (created by vLLM's engine core through
+                           nnsight_ray's Ray executor)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import zlib
+from typing import Any
+
+import ray
+
+from ..errors import EngineDeadError, RequestError
+from .merge import Group, merge_request, trace_result
+from .options import NAMESPACE, RankPlacement
+from .topology import RankId
+
+logger = logging.getLogger(__name__)
+
+# Environment the engine actor (and the engine-core process and ranks it
+# starts) inherits from the deploying process: a raylet's workers otherwise
+# see the raylet's environment, not the caller's.
+_FORWARDED_ENV_PREFIXES = ("VLLM_", "NNSIGHT", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+GROUP_TTL_S = 900.0
+
+
+def forwarded_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
+
+
+def merge_index(group: str, shards: int) -> int:
+    """Which merge shard serves a group: stable across processes (not Python's hash)."""
+    return zlib.crc32(group.encode()) % shards
+
+
+class MergeActor:
+    """Takes each finished request's payloads from every rank, merges, resolves callers."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ranks: list[Any] = []
+        self.groups: dict[str, tuple[float, Group]] = {}
+        self.waiters: dict[str, asyncio.Event] = {}
+        self.bytes_merged = 0
+
+    def set_ranks(self, actor_names: list[str]) -> None:
+        """Rank actors in rank order (rank = pp * tp_size + tp): the merge order."""
+        self.ranks = [ray.get_actor(n, namespace=NAMESPACE) for n in actor_names]
+
+    def _group(self, group: str, size: int | None = None) -> Group:
+        now = time.monotonic()
+        if group not in self.groups:
+            for key, (at, old) in list(self.groups.items()):
+                if now - at > GROUP_TTL_S:
+                    del self.groups[key]
+            self.groups[group] = (now, Group(size=size or 0))
+        state = self.groups[group][1]
+        if size:
+            state.size = size
+        return state
+
+    async def finish(self, group: str, index: int, request_id: str, output: Any, error: BaseException | None) -> None:
+        payloads: list[bytes | None] = []
+        try:
+            taken = await asyncio.gather(*(r.take_payloads.remote([request_id]) for r in self.ranks))
+            payloads = [t[0] for t in taken]
+        except Exception as exception:  # a rank died between collect and take
+            error = error or EngineDeadError(f"could not take request {request_id}'s saves from a rank: {exception}")
+        self.bytes_merged += sum(len(p) for p in payloads if p)
+        state = self._group(group)
+        if error is not None:
+            state.error = state.error or error
+        else:
+            state.outputs[index] = merge_request(output, request_id, payloads)
+        self._wake(group)
+
+    def _wake(self, group: str) -> None:
+        event = self.waiters.get(group)
+        if event is not None:
+            event.set()
+
+    async def _wait(self, group: str, size: int) -> Group:
+        state = self._group(group, size)
+        while not state.complete:
+            event = self.waiters.setdefault(group, asyncio.Event())
+            event.clear()
+            await event.wait()
+        self.waiters.pop(group, None)
+        self.groups.pop(group, None)
+        return state
+
+    async def outputs(self, group: str, size: int) -> list[Any]:
+        """The group's ``RequestOutput``s, saves attached (raises the group's error)."""
+        state = await self._wait(group, size)
+        if state.error is not None:
+            raise state.error
+        return state.ordered()
+
+    async def trace(self, group: str, size: int, presaved: set[str]) -> dict[str, Any]:
+        """``{"saves": {name: value}, "error": deferred}`` for a non-blocking trace."""
+        state = await self._wait(group, size)
+        if state.error is not None:
+            raise state.error
+        return trace_result(state.ordered(), presaved)
+
+    def stats(self) -> dict[str, Any]:
+        return {"groups": len(self.groups), "bytes_merged": self.bytes_merged}
+
+
+class EngineActor:
+    """The driver actor: vLLM's AsyncLLM on nnsight_ray's Ray rank executor."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.core = None
+        self.topology: list[dict[str, Any]] = []
+        self.merges: list[Any] = []
+        self.started = time.monotonic()
+
+    async def start(self) -> list[dict[str, Any]]:
+        from nnsight.modeling.vllm.vllm import VLLM
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from . import platform
+        from .engine import EngineCore
+        from .options import configure_engine_kwargs
+
+        if platform.is_cpu():
+            platform.apply_cpu_defaults()
+        VLLM._require_v1_model_runner()
+        kwargs = dict(self.spec["engine_kwargs"])
+        # nnsight's engine defaults (VLLM._load): a traced prompt is prefilled in
+        # one forward and every token runs a forward pass.
+        kwargs.setdefault("enable_chunked_prefill", False)
+        kwargs.setdefault("enable_prefix_caching", False)
+        kwargs.update(distributed_executor_backend="ray", **self.spec["placement"])
+        kwargs = configure_engine_kwargs(kwargs)
+        args = AsyncEngineArgs(model=self.spec["model"], worker_cls=platform.worker_cls(), enforce_eager=True, **kwargs)
+        llm = AsyncLLM.from_engine_args(args)
+        self.merges = [ray.get_actor(n, namespace=NAMESPACE) for n in self.spec["merge_names"]]
+        self.core = EngineCore(llm, self._notify, self._describe_dead)
+        self.topology = await llm.collective_rpc("nnsight_ray_describe")
+        names = [t["actor_name"] for t in sorted(self.topology, key=lambda t: t["rank"])]
+        await asyncio.gather(*(m.set_ranks.remote(names) for m in self.merges))
+        logger.info("engine %s ready: %d ranks", self.spec["name"], len(names))
+        return self.topology
+
+    def _notify(self, group: str, index: int, request_id: str, output: Any, error: BaseException | None) -> None:
+        merge = self.merges[merge_index(group, len(self.merges))]
+        merge.finish.remote(group, index, request_id, output, error)
+
+    async def _describe_dead(self) -> str:
+        dead = []
+        alive_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        for rank in self.topology:
+            name, node = rank["actor_name"], rank["node_id"]
+            try:
+                actor = ray.get_actor(name, namespace=NAMESPACE)
+                await asyncio.wait_for(actor.ping.remote(), timeout=5)
+            except Exception:
+                where = "removed" if node not in alive_nodes else "alive"
+                dead.append(f"rank pp{rank['pp_rank']}.tp{rank['tp_rank']} (actor {name}) on node {node} ({where})")
+        return "; ".join(dead) or "vLLM's engine core failed (no rank actor is dead; see the engine actor's log)"
+
+    def _require_core(self):
+        if self.core is None:
+            raise RequestError(f"engine {self.spec['name']} is still starting; retry when ready()")
+        return self.core
+
+    async def submit(self, group: str, prompts: list, params: list, loras: list | None = None) -> None:
+        """Start a group's requests. Never raises: a refusal reaches the caller
+        through the merge actor, so callers need not wait for this call."""
+        try:
+            self._require_core().submit(group, prompts, params, loras)
+        except Exception as error:
+            for index in range(len(prompts)):
+                self._notify(group, index, f"{group}-{index}", None, error)
+
+    async def stream(self, group: str, prompt: Any, param: Any, lora: Any = None):
+        async for output in self._require_core().stream(group, prompt, param, lora):
+            yield output
+
+    async def rpc(self, method: str, args: tuple = ()) -> list:
+        return await self._require_core().rpc(method, tuple(args))
+
+    async def ready(self) -> bool:
+        return self.core is not None and self.core.dead is None
+
+    async def config(self) -> dict[str, Any]:
+        return dict(self.spec)
+
+    async def get_topology(self) -> list[dict[str, Any]]:
+        return list(self.topology)
+
+    async def health(self) -> dict[str, Any]:
+        core = self._require_core()
+        if core.dead is None and getattr(core.llm, "errored", False):
+            await core._explain(RuntimeError("engine errored"))
+        return {"alive": core.dead is None, "error": None if core.dead is None else str(core.dead),
+                "uptime_s": time.monotonic() - self.started}
+
+    async def shutdown(self) -> None:
+        if self.core is not None:
+            self.core.llm.shutdown()
+
+
+def deploy(name: str, model: str, engine_kwargs: dict[str, Any], placement: RankPlacement,
+           num_merge_actors: int = 1, detached: bool = False, start_timeout_s: float = 600.0) -> dict[str, Any]:
+    """Create the merge and engine actors and wait for the engine to come up."""
+    placement = placement.model_copy(update={"engine_name": name})
+    lifetime = "detached" if detached else None
+    merge_names = [f"{name}.merge{i}" for i in range(num_merge_actors)]
+    for actor_name in [f"{name}.engine", *merge_names]:
+        try:
+            ray.get_actor(actor_name, namespace=NAMESPACE)
+        except ValueError:
+            continue
+        raise RequestError(
+            f"a deployment named {name!r} already runs in namespace {NAMESPACE!r} ({actor_name}); "
+            f"attach with RayVLLM.connect({name!r}), shut it down, or pick another name."
+        )
+    runtime_env = {"env_vars": forwarded_env()}
+    merges = [
+        ray.remote(MergeActor).options(name=n, namespace=NAMESPACE, lifetime=lifetime, num_cpus=0,
+                                       runtime_env=runtime_env).remote(n)
+        for n in merge_names
+    ]
+    spec = {"name": name, "model": model, "engine_kwargs": engine_kwargs,
+            "placement": placement.model_dump(exclude_none=True), "merge_names": merge_names,
+            "detached": detached}
+    engine = ray.remote(EngineActor).options(
+        name=f"{name}.engine", namespace=NAMESPACE, lifetime=lifetime, num_cpus=0,
+        runtime_env=runtime_env, max_concurrency=10_000,
+    ).remote(spec)
+    try:
+        ray.get(engine.start.remote(), timeout=start_timeout_s)
+    except BaseException:
+        for actor in [engine, *merges]:
+            ray.kill(actor)
+        raise
+    return {"engine": engine, "merges": merges, "spec": spec}
+
+
+def connect(name: str) -> dict[str, Any]:
+    """Handles of a running named deployment, from any process in the cluster."""
+    try:
+        engine = ray.get_actor(f"{name}.engine", namespace=NAMESPACE)
+    except ValueError:
+        raise RequestError(
+            f"no deployment named {name!r} in namespace {NAMESPACE!r}; running ones: "
+            f"{sorted(list_deployments())}"
+        ) from None
+    spec = ray.get(engine.config.remote())
+    merges = [ray.get_actor(n, namespace=NAMESPACE) for n in spec["merge_names"]]
+    return {"engine": engine, "merges": merges, "spec": spec}
+
+
+def list_deployments() -> list[str]:
+    from ray.util import list_named_actors
+
+    return [a["name"][: -len(".engine")] for a in list_named_actors(all_namespaces=True)
+            if a.get("namespace") == NAMESPACE and a["name"].endswith(".engine")]
+
+
+def shutdown(handles: dict[str, Any], timeout_s: float = 60.0) -> None:
+    """Stop the engine (its engine core removes the rank actors and placement group), then the actors."""
+    engine = handles["engine"]
+    try:
+        ray.get(engine.shutdown.remote(), timeout=timeout_s)
+    except Exception:
+        logger.warning("engine %s did not shut down cleanly; killing it", handles["spec"]["name"], exc_info=True)
+    for actor in [engine, *handles["merges"]]:
+        try:
+            ray.kill(actor)
+        except Exception:
+            pass
+    # Rank actors belong to the engine core's Ray job and die with it; make sure.
+    name = handles["spec"]["name"]
+    deadline = time.monotonic() + timeout_s
+    for rank in _rank_names(name):
+        try:
+            actor = ray.get_actor(rank, namespace=NAMESPACE)
+        except ValueError:
+            continue
+        ray.kill(actor)
+    while _rank_names(name) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def _rank_names(name: str) -> list[str]:
+    from ray.util import list_named_actors
+
+    names = []
+    for actor in list_named_actors(all_namespaces=True):
+        if actor.get("namespace") != NAMESPACE:
+            continue
+        try:
+            if RankId.from_actor_name(actor["name"]).engine == name:
+                names.append(actor["name"])
+        except ValueError:
+            continue
+    return names

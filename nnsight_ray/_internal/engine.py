@@ -1,0 +1,165 @@
+"""The engine actor's logic: owns vLLM's async engine, submits, collects, hands off.
+
+vLLM's ``AsyncLLM`` already runs the step loop continuously (its engine core
+busy loop in a child process, its output handler as a task on this actor's
+event loop) and batches every caller's requests together. This class adds
+what nnsight's ``NNsightLLMEngine.step`` adds in-process, distributed:
+
+1. *Submit.* Requests arrive with their nnsight blocks already serialized into
+   ``SamplingParams.extra_args`` (the client ran nnsight's own
+   ``_attach_mediators``), exactly as nnsight's in-process engine receives them.
+2. *Collect.* Every finished request (traced or not: registered blocks run on
+   requests nnsight never made) is collected on every rank. Requests finishing
+   close together share one ``collective_rpc("nnsight_ray_stash")``; each rank
+   keeps its payload locally (see ``rank_worker``).
+3. *Hand off.* The engine tells the merge actor which requests are done and
+   moves on. It never waits for a payload to move or merge, and never holds one.
+
+No Ray calls here except through the ``notify`` callable and ``health``, which
+``deploy.EngineActor`` supplies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import uuid
+from typing import Any, Awaitable, Callable
+
+from ..errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+# (group, index, request_id, finished output or None, error or None)
+Notify = Callable[[str, int, str, Any, BaseException | None], None]
+
+
+class EngineCore:
+    """One vLLM ``AsyncLLM`` with nnsight's workers on Ray rank actors."""
+
+    def __init__(self, llm: Any, notify: Notify, describe_dead: Callable[[], Awaitable[str]]) -> None:
+        self.llm = llm
+        self.notify = notify
+        self.describe_dead = describe_dead
+        self.dead: EngineDeadError | None = None
+        self._pending: list[tuple[str, Any]] = []
+        self._flush: asyncio.Task | None = None
+        self._waiters: dict[str, asyncio.Future] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- submit -------------------------------------------------------------
+
+    def submit(self, group: str, prompts: list, params: list, loras: list | None = None) -> None:
+        """Start one request per prompt; each reports to the merge actor when done."""
+        for index, (prompt, param) in enumerate(zip(prompts, params)):
+            lora = loras[index] if loras else None
+            task = asyncio.ensure_future(self._run(group, index, prompt, param, lora))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, group: str, index: int, prompt: Any, param: Any, lora: Any) -> None:
+        request_id = f"{group}-{index}"
+        output, error = None, None
+        try:
+            if self.dead is not None:
+                raise self.dead
+            async for output in self.llm.generate(prompt, param, request_id, lora_request=lora):
+                pass
+        except asyncio.CancelledError:
+            error = RuntimeError(f"request {request_id} was cancelled")
+        except Exception as exception:  # bad prompt, engine dead, ...
+            error = await self._explain(exception)
+        finished = output is not None and output.finished and error is None
+        try:
+            await self.collect(request_id, output if finished else None)
+        except Exception as exception:
+            error = error or await self._explain(exception)
+        self.notify(group, index, request_id, output if finished else None, error)
+
+    async def stream(self, group: str, prompt: Any, param: Any, lora: Any = None):
+        """Yield each step's output as vLLM produces it (one request, group of one).
+
+        The finished output is collected and handed to the merge actor like any
+        other; a consumer that closes the stream early aborts the request, and the
+        ``finally`` winds its workers up on every rank, so nothing leaks.
+        """
+        request_id = f"{group}-0"
+        output, error, finished = None, None, False
+        try:
+            if self.dead is not None:
+                raise self.dead
+            async for output in self.llm.generate(prompt, param, request_id, lora_request=lora):
+                finished = output.finished
+                yield output
+        except Exception as exception:
+            error = await self._explain(exception)
+            raise error from exception
+        finally:
+            if not finished:
+                await self.llm.abort(request_id)
+                error = error or RuntimeError(f"stream {request_id} was closed before it finished")
+            try:
+                await self.collect(request_id, output if finished else None)
+            except Exception as exception:
+                error = error or await self._explain(exception)
+            self.notify(group, 0, request_id, output if finished else None, error)
+
+    # -- collect ------------------------------------------------------------
+
+    async def collect(self, request_id: str, output: Any) -> None:
+        """Stash this request's payload on every rank, batched with its neighbours."""
+        if self.dead is not None:
+            return
+        future = asyncio.get_running_loop().create_future()
+        self._waiters[request_id] = future
+        self._pending.append((request_id, output))
+        if self._flush is None or self._flush.done():
+            self._flush = asyncio.ensure_future(self._flush_pending())
+        await future
+
+    async def _flush_pending(self) -> None:
+        # Let every request finishing in this step enqueue first.
+        await asyncio.sleep(0)
+        while self._pending:
+            batch, self._pending = self._pending, []
+            ids = [rid for rid, _ in batch]
+            outputs = {rid: out for rid, out in batch if out is not None}
+            try:
+                await self.llm.collective_rpc(
+                    "nnsight_ray_stash", args=(ids, pickle.dumps(outputs) if outputs else None)
+                )
+                error = None
+            except Exception as exception:
+                error = await self._explain(exception)
+            for rid in ids:
+                future = self._waiters.pop(rid)
+                if not future.done():
+                    future.set_exception(error) if error else future.set_result(None)
+
+    # -- health -------------------------------------------------------------
+
+    async def _explain(self, exception: BaseException) -> BaseException:
+        """Turn vLLM's engine-dead error into one that names the dead rank(s)."""
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
+
+        if isinstance(exception, EngineDeadError):
+            return exception
+        if isinstance(exception, VLLMEngineDead) or getattr(self.llm, "errored", False):
+            if self.dead is None:
+                detail = await self.describe_dead()
+                self.dead = EngineDeadError(
+                    f"the engine is dead: {detail}. Every pending request on it failed; "
+                    "shut it down (model.shutdown()) and build a new one."
+                )
+                logger.error("%s", self.dead)
+            return self.dead
+        return exception
+
+    async def rpc(self, method: str, args: tuple = ()) -> list:
+        if self.dead is not None:
+            raise self.dead
+        try:
+            return await self.llm.collective_rpc(method, args=args)
+        except Exception as exception:
+            raise await self._explain(exception) from exception

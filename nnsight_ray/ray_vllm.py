@@ -1,0 +1,273 @@
+"""``RayVLLM``: nnsight's ``VLLM`` whose engine lives on a Ray cluster.
+
+The client holds only nnsight's meta tree (no weights, no GPU). A trace runs
+nnsight's own client code: the tracer builds the invoke workers,
+``VLLM._attach_mediators`` serializes them into each request's
+``SamplingParams.extra_args``, and ``VLLM._collect`` pushes the saves back into
+the caller's variables. Only the transport differs: ``vllm_entrypoint`` is a
+``RemoteEngine`` that sends the requests to the deployment's engine actor and
+gets the merged outputs back from its merge actor as Ray object references.
+So everything nnsight's in-process engine does (invokes, iter/all, edits,
+logits/samples, ``tracer.result``, ``model.edit()``, ``model.generate(...)``
+without a block) behaves the same here.
+
+On top: ``trace(..., blocking=False)`` returns at once with ``tracer.ref`` (an
+``ObjectRef`` resolving to ``{name: value}``) and ``tracer.collect()``;
+``RayVLLM.connect(name)`` attaches to a running named deployment from any
+process of the cluster; ``mode="async"`` streams (see ``streaming.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+from .errors import EngineDeadError, RequestError
+from .local import LocalVLLM
+
+__all__ = ["RayVLLM", "RemoteEngine"]
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """The exception an actor raised, without Ray's RayTaskError wrapping."""
+    import ray
+
+    if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
+        return error.cause
+    if isinstance(error, ray.exceptions.RayActorError):
+        return EngineDeadError(f"the deployment's actor died: {error}")
+    return error
+
+
+def ray_get(ref: Any, timeout: float | None = None) -> Any:
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout)
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
+        raise _unwrap(error) from None
+
+
+class RemoteEngine:
+    """The ``vllm_entrypoint`` of a ``RayVLLM``: vLLM's ``LLM`` surface, over Ray.
+
+    ``generate`` takes prompts and ``SamplingParams`` and returns
+    ``RequestOutput``s with ``.saves`` attached, as ``LLM.generate`` does under
+    nnsight; ``collective_rpc`` reaches every rank in rank order.
+    """
+
+    def __init__(self, handles: dict[str, Any]) -> None:
+        self.handles = handles
+        self.engine = handles["engine"]
+        self.merges = handles["merges"]
+        self.name = handles["spec"]["name"]
+
+    def _merge(self, group: str) -> Any:
+        from ._internal.deploy import merge_index
+
+        return self.merges[merge_index(group, len(self.merges))]
+
+    @staticmethod
+    def _lists(prompts: Any, sampling_params: Any, lora_request: Any) -> tuple[list, list, list | None]:
+        from vllm import SamplingParams
+
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams; give one, or one per prompt")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else (
+            None if lora_request is None else [lora_request] * len(prompts))
+        return prompts, params, loras
+
+    def submit(self, prompts: Any, sampling_params: Any = None, lora_request: Any = None) -> tuple[str, int]:
+        """Start the requests on the engine; returns ``(group, size)`` for the merge actor."""
+        prompts, params, loras = self._lists(prompts, sampling_params, lora_request)
+        group = uuid.uuid4().hex
+        # Not awaited: the engine actor reports a refusal through the merge actor.
+        self.engine.submit.remote(group, prompts, params, loras)
+        return group, len(prompts)
+
+    def generate_async(self, prompts: Any, sampling_params: Any = None, lora_request: Any = None, **_: Any) -> Any:
+        """Non-blocking ``generate``: an ``ObjectRef`` to the list of ``RequestOutput``s."""
+        group, size = self.submit(prompts, sampling_params, lora_request)
+        return self._merge(group).outputs.remote(group, size)
+
+    def generate(self, prompts: Any, sampling_params: Any = None, lora_request: Any = None, **kwargs: Any) -> list:
+        return ray_get(self.generate_async(prompts, sampling_params, lora_request, **kwargs))
+
+    def trace_ref(self, prompts: list, params: list, loras: list | None, presaved: set[str]) -> Any:
+        """Submit a trace's requests; an ``ObjectRef`` to ``{"saves", "error"}``."""
+        group, size = self.submit(prompts, params, loras)
+        return self._merge(group).trace.remote(group, size, set(presaved))
+
+    def collective_rpc(self, method: str, args: tuple = (), **_: Any) -> list:
+        return ray_get(self.engine.rpc.remote(method, tuple(args)))
+
+    def topology(self) -> list[dict[str, Any]]:
+        return ray_get(self.engine.get_topology.remote())
+
+    def health(self) -> dict[str, Any]:
+        return ray_get(self.engine.health.remote())
+
+
+class _TraceState(threading.local):
+    blocking = True
+    tracer: Any = None
+
+
+class RayVLLM(LocalVLLM):
+    """nnsight's ``VLLM`` with its engine deployed on (or attached from) a Ray cluster.
+
+    Args:
+        model: Checkpoint path or id, readable by every node.
+        name: Deployment name (actors ``<name>.engine``, ``<name>.merge<i>``,
+            ``<name>.pp<p>.tp<t>`` in namespace ``nnsight_ray``). Defaults to a
+            fresh unique one.
+        tensor_parallel_size, pipeline_parallel_size: the layout.
+        placement_strategy, cpus_per_rank, gpus_per_rank, placement_timeout_s,
+            placement_group, cpu_binding: see ``RankPlacement``.
+        num_merge_actors: merge shards (requests are spread by id).
+        detached: keep the deployment after this process exits, until
+            ``shutdown()`` (from any process, after ``connect``).
+        mode: ``"sync"`` or ``"async"`` (streaming traces).
+        **engine_kwargs: vLLM engine arguments (``max_model_len``, ``dtype``, ...).
+
+    Examples::
+
+        model = RayVLLM(path, tensor_parallel_size=2, placement_strategy="STRICT_SPREAD", name="llama")
+        with model.trace("Hello", temperature=0.0):
+            h = model.model.layers[1].output[0].save()
+        with model.trace("Hello", blocking=False) as tracer:
+            logits = model.logits.save()
+        tracer.ref          # ray.ObjectRef -> {"logits": tensor}
+        other = RayVLLM.connect("llama")   # from any process in the cluster
+        model.shutdown()
+    """
+
+    def __init__(self, model: str, *, name: str | None = None, num_merge_actors: int = 1,
+                 detached: bool = False, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 _handles: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        from ._internal.options import RAY_OPTION_NAMES, RankPlacement, connect_ray
+
+        connect_ray()
+        placement_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in RAY_OPTION_NAMES}
+        pg = placement_kwargs.pop("placement_group", None)
+        if pg is not None:
+            placement_kwargs["placement_group_id"] = pg.id.hex()
+        nnsight_kwargs = {k: kwargs.pop(k) for k in ("mode", "envoys") if k in kwargs}
+        self._deployment = {
+            "name": name or f"nnsight-{uuid.uuid4().hex[:8]}",
+            "placement": RankPlacement(**placement_kwargs),
+            "num_merge_actors": num_merge_actors,
+            "detached": detached,
+            "engine_kwargs": {**kwargs, "tensor_parallel_size": tensor_parallel_size,
+                              "pipeline_parallel_size": pipeline_parallel_size},
+            "handles": _handles,
+        }
+        self._trace_state = _TraceState()
+        super().__init__(model, **nnsight_kwargs, **kwargs)
+        # Edits installed by other clients of a shared deployment are unseen
+        # here; the worker checks every request's edit names itself.
+        self._serving = True
+        self.dispatch()
+
+    @classmethod
+    def connect(cls, name: str, **nnsight_kwargs: Any) -> "RayVLLM":
+        """Attach to the running deployment ``name`` from any process in the cluster."""
+        from ._internal import deploy
+        from ._internal.options import connect_ray
+
+        connect_ray()
+        handles = deploy.connect(name)
+        spec = handles["spec"]
+        kwargs = {k: v for k, v in spec["engine_kwargs"].items()
+                  if k not in ("tensor_parallel_size", "pipeline_parallel_size")}
+        return cls(spec["model"], name=name, _handles=handles, **nnsight_kwargs, **kwargs)
+
+    def _load(self, repo_id: str, **kwargs: Any) -> Any:
+        from ._internal import deploy
+
+        meta_model = self.__dict__.get("_module")
+        if meta_model is None:
+            meta_model = self._load_meta(repo_id, **kwargs)
+        d = self._deployment
+        if d["handles"] is None:
+            d["handles"] = deploy.deploy(
+                d["name"], repo_id, d["engine_kwargs"], d["placement"],
+                num_merge_actors=d["num_merge_actors"], detached=d["detached"],
+            )
+        self.vllm_entrypoint = RemoteEngine(d["handles"])
+        return meta_model
+
+    @property
+    def name(self) -> str:
+        return self._deployment["name"]
+
+    def trace(self, *inputs: Any, blocking: bool = True, **kwargs: Any) -> Any:
+        tracer = super().trace(*inputs, **kwargs)
+        self._trace_state.blocking = blocking
+        self._trace_state.tracer = tracer
+        tracer.ref = None
+        tracer.collect = lambda timeout=None: _collect_ref(tracer.ref, timeout)
+        return tracer
+
+    def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
+        if self._trace_state.blocking:
+            return super()._call(prompts, params, lora_requests, **kwargs)
+        mediators = self._attach_mediators(params, **kwargs)
+        presaved: set[str] = set()
+        for mediator in mediators:
+            presaved |= getattr(mediator, "presaved", set())
+        ref = self.vllm_entrypoint.trace_ref(prompts, params, lora_requests, presaved)
+        self._trace_state.tracer.ref = ref
+        return None
+
+    def __getstate__(self) -> dict:
+        # A block that references the model pickles it (nnsight's serialization
+        # maps modules to persistent ids but the envoy itself travels); the
+        # per-thread trace state and live actor handles stay home.
+        state = super().__getstate__()
+        state.pop("_trace_state", None)
+        state["_deployment"] = {**state["_deployment"], "handles": None}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._trace_state = _TraceState()
+
+    def topology(self) -> list[dict[str, Any]]:
+        """Each rank's pp rank, tp rank, node id and actor name, in rank order."""
+        return self.vllm_entrypoint.topology()
+
+    def health(self) -> dict[str, Any]:
+        return self.vllm_entrypoint.health()
+
+    def request_counts(self) -> list[int]:
+        """``nnsight_request_count`` on every rank (0 when no request holds workers)."""
+        return self.vllm_entrypoint.collective_rpc("nnsight_request_count")
+
+    def shutdown(self) -> None:
+        """Release every actor and placement group of this deployment."""
+        from ._internal import deploy
+
+        handles = self._deployment.get("handles")
+        if handles is not None:
+            deploy.shutdown(handles)
+            self._deployment["handles"] = None
+        self.vllm_entrypoint = None
+
+
+def _collect_ref(ref: Any, timeout: float | None = None) -> dict[str, Any]:
+    """Block for a non-blocking trace's ``{name: value}``, re-raising its error."""
+    from nnsight.intervention.errors import raise_deferred
+
+    if ref is None:
+        raise RequestError("this trace has no result reference: it was blocking, or has not exited yet")
+    result = ray_get(ref, timeout)
+    raise_deferred(result["error"])
+    return result["saves"]
