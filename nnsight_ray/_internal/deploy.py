@@ -137,20 +137,22 @@ class EngineActor:
 
         from . import platform
         from .engine import EngineCore
-        from .options import configure_engine_kwargs
+        from .options import configure_engine_kwargs, release_placement_group
 
-        if platform.is_cpu():
-            platform.apply_cpu_defaults()
         VLLM._require_v1_model_runner()
-        kwargs = dict(self.spec["engine_kwargs"])
+        kwargs = platform.engine_defaults(self.spec["engine_kwargs"])
         # nnsight's engine defaults (VLLM._load): a traced prompt is prefilled in
         # one forward and every token runs a forward pass.
         kwargs.setdefault("enable_chunked_prefill", False)
         kwargs.setdefault("enable_prefix_caching", False)
         kwargs.update(distributed_executor_backend="ray", **self.spec["placement"])
         kwargs = configure_engine_kwargs(kwargs)
-        args = AsyncEngineArgs(model=self.spec["model"], worker_cls=platform.worker_cls(), enforce_eager=True, **kwargs)
-        llm = AsyncLLM.from_engine_args(args)
+        try:
+            args = AsyncEngineArgs(model=self.spec["model"], worker_cls=platform.worker_cls(), enforce_eager=True, **kwargs)
+            llm = AsyncLLM.from_engine_args(args)
+        except BaseException:
+            release_placement_group(kwargs)
+            raise
         self.merges = [ray.get_actor(n, namespace=NAMESPACE) for n in self.spec["merge_names"]]
         self.core = EngineCore(llm, self._notify, self._describe_dead)
         self.topology = await llm.collective_rpc("nnsight_ray_describe")
@@ -248,9 +250,11 @@ def deploy(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
     ).remote(spec)
     try:
         ray.get(engine.start.remote(), timeout=start_timeout_s)
-    except BaseException:
+    except BaseException as error:
         for actor in [engine, *merges]:
             ray.kill(actor)
+        if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
+            raise error.cause from None
         raise
     return {"engine": engine, "merges": merges, "spec": spec}
 

@@ -40,6 +40,9 @@ class RankPlacement(BaseModel):
     ray_address: str | None = Field(
         None, description="GCS address the engine-core process joins; defaults to the caller's cluster."
     )
+    owns_placement_group: bool = Field(
+        False, description="Internal: the executor removes the placement group at shutdown (we created it)."
+    )
     cpu_binding: str = Field(
         "auto",
         description="CPU platform: 'auto' splits each host's cores among its ranks, 'nobind' leaves threads alone, "
@@ -75,7 +78,11 @@ def connect_ray(address: str | None = None) -> str:
 
 
 def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Turn ``distributed_executor_backend="ray"`` plus our options into vLLM engine kwargs."""
+    """Turn ``distributed_executor_backend="ray"`` plus our options into vLLM engine kwargs.
+
+    Reserves the ranks' placement group unless the caller gave one; release it
+    with ``release_placement_group`` if the engine then fails to start.
+    """
     engine, ray_options = split_ray_options(kwargs)
     if engine.get("distributed_executor_backend") != "ray":
         if ray_options:
@@ -92,6 +99,16 @@ def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     placement = RankPlacement(**ray_options)
     if placement.ray_address is None:
         placement.ray_address = connect_ray()
+    if placement.placement_group_id is None:
+        # Reserved here, in the caller, so an unsatisfiable layout fails fast
+        # with a message that reaches the user, instead of inside vLLM's engine
+        # core, whose start-up failure only says "see root cause above".
+        from .ray_executor import acquire_placement_group
+
+        world = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))
+        pg, _ = acquire_placement_group(world, placement)
+        placement.placement_group_id = pg.id.hex()
+        placement.owns_placement_group = True
     # The class, not its import path: vLLM reads `supports_pp` off it before it
     # would resolve a path, and refuses pipeline parallelism otherwise.
     engine["distributed_executor_backend"] = NNsightRayExecutor
@@ -100,3 +117,17 @@ def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         ADDITIONAL_CONFIG_KEY: placement.model_dump(),
     }
     return engine
+
+
+def release_placement_group(engine_kwargs: dict[str, Any]) -> None:
+    """Remove the placement group ``configure_engine_kwargs`` reserved, if it did."""
+    placement = (engine_kwargs.get("additional_config") or {}).get(ADDITIONAL_CONFIG_KEY)
+    if not placement or not placement.get("owns_placement_group") or not placement.get("placement_group_id"):
+        return
+    from .ray_executor import placement_group_by_id
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(placement_group_by_id(placement["placement_group_id"]))
+    except Exception:
+        pass

@@ -15,10 +15,10 @@ from typing import Iterator
 CPU_WORKER_CLS = "nnsight_ray._internal.cpu_worker.NNsightCPUWorker"
 GPU_WORKER_CLS = "nnsight_ray._internal.gpu_worker.NNsightRayGPUWorker"
 
-# GiB of KV cache per CPU rank unless the user set VLLM_CPU_KVCACHE_SPACE:
-# vLLM's CPU default reserves a large fraction of RAM, too much for several
-# ranks on one machine.
-DEFAULT_CPU_KVCACHE_GIB = "1"
+# KV cache per CPU rank unless the user sets VLLM_CPU_KVCACHE_SPACE or
+# kv_cache_memory_bytes: vLLM's CPU default reserves a fraction of the whole
+# NUMA node's RAM per rank, which fails as soon as several ranks share a machine.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def is_cpu() -> bool:
@@ -42,10 +42,12 @@ def device_resource() -> str | None:
     return getattr(current_platform, "ray_device_key", "GPU") or "GPU"
 
 
-def apply_cpu_defaults(env: dict[str, str] | None = None) -> None:
-    """Set the CPU engine's environment defaults (never overriding the user's)."""
-    env = os.environ if env is None else env
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+def engine_defaults(kwargs: dict) -> dict:
+    """The platform's engine-argument defaults, never overriding the user's."""
+    kwargs = dict(kwargs)
+    if is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        kwargs.setdefault("kv_cache_memory_bytes", DEFAULT_CPU_KV_CACHE_BYTES)
+    return kwargs
 
 
 @contextlib.contextmanager

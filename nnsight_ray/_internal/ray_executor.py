@@ -114,12 +114,17 @@ def _bundles(world_size: int, placement: RankPlacement) -> list[dict[str, float]
     return [dict(bundle) for _ in range(world_size)]
 
 
+def placement_group_by_id(hex_id: str) -> PlacementGroup:
+    from ray._raylet import PlacementGroupID
+
+    return PlacementGroup(PlacementGroupID(bytes.fromhex(hex_id)))
+
+
 def acquire_placement_group(world_size: int, placement: RankPlacement) -> tuple[PlacementGroup, bool]:
     """The rank bundles' placement group and whether we created it (and must remove it)."""
     if placement.placement_group_id:
-        from ray._raylet import PlacementGroupID
-
-        pg = PlacementGroup(PlacementGroupID(bytes.fromhex(placement.placement_group_id)))
+        pg = placement_group_by_id(placement.placement_group_id)
+        ray.get(pg.ready(), timeout=placement.placement_timeout_s)
         if len(pg.bundle_specs) < world_size:
             raise PlacementError(
                 f"placement group {placement.placement_group_id} has {len(pg.bundle_specs)} bundles, "
@@ -127,7 +132,9 @@ def acquire_placement_group(world_size: int, placement: RankPlacement) -> tuple[
             )
         return pg, False
     bundles = _bundles(world_size, placement)
-    pg = placement_group(bundles, strategy=placement.placement_strategy)
+    # Detached: a named, detached deployment's engine outlives the job that
+    # reserved it; the executor (or release_placement_group) removes it.
+    pg = placement_group(bundles, strategy=placement.placement_strategy, lifetime="detached")
     ready, _ = ray.wait([pg.ready()], timeout=placement.placement_timeout_s)
     if not ready:
         remove_placement_group(pg)
@@ -163,7 +170,7 @@ class NNsightRayExecutor(RayExecutorV2):
         engine = placement.engine_name or f"engine-{self.vllm_config.instance_id}"
 
         pg, owned = acquire_placement_group(self.world_size, placement)
-        if owned:
+        if owned or placement.owns_placement_group:
             self._owned_pg = pg
         self.parallel_config.placement_group = pg
         bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
