@@ -1,0 +1,106 @@
+"""Ray placement options: splitting them off vLLM's kwargs and validating them.
+
+``configure_engine_kwargs`` is only called without ``distributed_executor_backend="ray"``:
+with it, it connects to Ray, which a unit test must not do (``ray.init`` raises here).
+"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from nnsight_ray._internal.options import (
+    ADDITIONAL_CONFIG_KEY,
+    RAY_OPTION_NAMES,
+    RankPlacement,
+    configure_engine_kwargs,
+    split_ray_options,
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_ray(monkeypatch):
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("unit tests must not start or join Ray")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+def test_split_separates_placement_options_from_engine_kwargs():
+    kwargs = {
+        "dtype": "float32",
+        "max_model_len": 256,
+        "placement_strategy": "SPREAD",
+        "cpus_per_rank": 2,
+        "placement_group": object(),
+    }
+    engine, ray_options = split_ray_options(kwargs)
+    assert engine == {"dtype": "float32", "max_model_len": 256}
+    assert set(ray_options) == {"placement_strategy", "cpus_per_rank", "placement_group"}
+    assert kwargs["placement_strategy"] == "SPREAD"  # the input is not mutated
+
+
+def test_split_without_placement_options():
+    assert split_ray_options({"dtype": "float32"}) == ({"dtype": "float32"}, {})
+    assert split_ray_options({}) == ({}, {})
+
+
+def test_option_names_are_the_model_fields_plus_placement_group():
+    assert RAY_OPTION_NAMES == set(RankPlacement.model_fields) | {"placement_group"}
+
+
+def test_defaults():
+    p = RankPlacement()
+    assert p.placement_strategy == "PACK"
+    assert p.cpu_binding == "auto"
+    assert p.placement_group_id is None and p.ray_address is None
+    # JSON-able: it rides VllmConfig.additional_config.
+    import json
+
+    assert RankPlacement(**json.loads(json.dumps(p.model_dump()))) == p
+
+
+@pytest.mark.parametrize("strategy", ["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
+def test_known_strategies_accepted(strategy):
+    assert RankPlacement(placement_strategy=strategy).placement_strategy == strategy
+
+
+@pytest.mark.parametrize("strategy", ["RANDOM", "pack", "", None])
+def test_bad_strategy_rejected(strategy):
+    with pytest.raises(ValidationError, match="placement_strategy"):
+        RankPlacement(placement_strategy=strategy)
+
+
+def test_unknown_key_rejected():
+    with pytest.raises(ValidationError, match="placement_strtegy"):
+        RankPlacement(placement_strtegy="SPREAD")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("cpus_per_rank", -1), ("gpus_per_rank", -0.5), ("placement_timeout_s", 0), ("placement_timeout_s", -3)],
+)
+def test_bad_numbers_rejected(field, value):
+    with pytest.raises(ValidationError, match=field):
+        RankPlacement(**{field: value})
+
+
+def test_configure_without_ray_passes_engine_kwargs_through():
+    kwargs = {"dtype": "float32", "max_model_len": 256}
+    assert configure_engine_kwargs(kwargs) == kwargs
+    assert ADDITIONAL_CONFIG_KEY not in configure_engine_kwargs(kwargs).get("additional_config", {})
+
+
+@pytest.mark.parametrize("backend", [None, "mp", "uni"])
+@pytest.mark.parametrize(
+    "ray_option",
+    [{"placement_strategy": "SPREAD"}, {"cpus_per_rank": 2}, {"placement_group": object()}, {"cpu_binding": "0|1"}],
+)
+def test_configure_refuses_ray_options_without_ray_backend(backend, ray_option):
+    kwargs = {"dtype": "float32", **ray_option}
+    if backend is not None:
+        kwargs["distributed_executor_backend"] = backend
+    with pytest.raises(ValueError, match="distributed_executor_backend='ray'"):
+        configure_engine_kwargs(kwargs)
