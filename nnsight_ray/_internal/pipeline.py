@@ -208,6 +208,8 @@ class Ghost(torch.Tensor):
         return id(self)
 
     def __iter__(self) -> Any:
+        if getattr(getcurrent(), "mediator", None) is None:
+            return iter(())
         raise self._stop("iteration over the value")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -218,7 +220,9 @@ class Ghost(torch.Tensor):
         kwargs = kwargs or {}
         name = _func_name(func)
         ghost = _first_ghost(args, kwargs)
-        if ghost is None:  # pragma: no cover - torch only calls us with a ghost present
+        if ghost is None or getattr(getcurrent(), "mediator", None) is None:
+            # Outside a block (the runtime pickling or inspecting a value), a
+            # ghost is the empty tensor it is built on.
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if name.startswith("__get__:"):
@@ -947,6 +951,11 @@ class StageRunnerMixin:
             for taken in request.harvested.values():
                 taken["saves"] = _ghost_free(taken["saves"])
             mediator = request.mediator
+            saved = getattr(mediator, "nnsight_saved", None)
+            if saved:
+                mediator.nnsight_saved = {
+                    name for name in saved if contains_ghost(mediator.lcls.get(name)) is None
+                }
             pending = None if mediator is None else mediator.pending
             if (
                 request.named(finished)
