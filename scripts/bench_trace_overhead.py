@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.runs < 10:
         parser.error("--runs must be at least 10")
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # KV cache: LocalVLLM's CPU default (1 GiB) unless VLLM_CPU_KVCACHE_SPACE is set.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from nnsight_ray.models import ensure_model
