@@ -34,7 +34,10 @@ logger = logging.getLogger(__name__)
 # starts) inherits from the deploying process: a raylet's workers otherwise
 # see the raylet's environment, not the caller's.
 _FORWARDED_ENV_PREFIXES = ("VLLM_", "NNSIGHT", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-GROUP_TTL_S = 900.0
+# A group whose requests all finished but whose caller never asked for it
+# (the caller died right after submitting) is dropped after this long.
+ABANDON_AFTER_S = float(os.environ.get("NNSIGHT_RAY_ABANDON_AFTER_S", "30"))
+GROUP_TTL_S = float(os.environ.get("NNSIGHT_RAY_GROUP_TTL_S", "3600"))
 
 
 def forwarded_env() -> dict[str, str]:
@@ -52,25 +55,30 @@ class MergeActor:
     def __init__(self, name: str) -> None:
         self.name = name
         self.ranks: list[Any] = []
-        self.groups: dict[str, tuple[float, Group]] = {}
+        self.groups: dict[str, Group] = {}
         self.waiters: dict[str, asyncio.Event] = {}
         self.bytes_merged = 0
+        self._sweeper: asyncio.Task | None = None
 
     def set_ranks(self, actor_names: list[str]) -> None:
         """Rank actors in rank order (rank = pp * tp_size + tp): the merge order."""
         self.ranks = [ray.get_actor(n, namespace=NAMESPACE) for n in actor_names]
 
-    def _group(self, group: str, size: int | None = None) -> Group:
+    def _group(self, group: str) -> Group:
+        if self._sweeper is None:
+            self._sweeper = asyncio.ensure_future(self._sweep_forever())
+        return self.groups.setdefault(group, Group(size=0))
+
+    def _sweep(self) -> None:
         now = time.monotonic()
-        if group not in self.groups:
-            for key, (at, old) in list(self.groups.items()):
-                if now - at > GROUP_TTL_S:
-                    del self.groups[key]
-            self.groups[group] = (now, Group(size=size or 0))
-        state = self.groups[group][1]
-        if size:
-            state.size = size
-        return state
+        for key, state in list(self.groups.items()):
+            if state.expired(now, key in self.waiters, ABANDON_AFTER_S, GROUP_TTL_S):
+                del self.groups[key]
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(ABANDON_AFTER_S / 3)
+            self._sweep()
 
     async def finish(self, group: str, index: int, request_id: str, output: Any, error: BaseException | None) -> None:
         payloads: list[bytes | None] = []
@@ -85,6 +93,7 @@ class MergeActor:
             state.error = state.error or error
         else:
             state.outputs[index] = merge_request(output, request_id, payloads)
+        state.finished = time.monotonic()  # last activity: see Group.expired
         self._wake(group)
 
     def _wake(self, group: str) -> None:
@@ -93,13 +102,16 @@ class MergeActor:
             event.set()
 
     async def _wait(self, group: str, size: int) -> Group:
-        state = self._group(group, size)
-        while not state.complete:
-            event = self.waiters.setdefault(group, asyncio.Event())
-            event.clear()
-            await event.wait()
-        self.waiters.pop(group, None)
-        self.groups.pop(group, None)
+        state = self._group(group)
+        state.size = size
+        event = self.waiters.setdefault(group, asyncio.Event())
+        try:
+            while not state.complete:
+                event.clear()
+                await event.wait()
+        finally:
+            self.waiters.pop(group, None)
+            self.groups.pop(group, None)
         return state
 
     async def outputs(self, group: str, size: int) -> list[Any]:
@@ -117,7 +129,8 @@ class MergeActor:
         return trace_result(state.ordered(), presaved)
 
     def stats(self) -> dict[str, Any]:
-        return {"groups": len(self.groups), "bytes_merged": self.bytes_merged}
+        self._sweep()
+        return {"groups": len(self.groups), "waiting": len(self.waiters), "bytes_merged": self.bytes_merged}
 
 
 class EngineActor:

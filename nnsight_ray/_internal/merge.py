@@ -13,6 +13,7 @@ ref resolves to exactly what a blocking trace pushes into the caller's frame.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -20,15 +21,35 @@ from typing import Any
 
 @dataclass
 class Group:
-    """The requests of one call (a trace's invokes, or one plain generate batch)."""
+    """The requests of one call (a trace's invokes, or one plain generate batch).
+
+    ``size`` is 0 until the caller's wait arrives and says how many to expect.
+    """
 
     size: int
     outputs: dict[int, Any] = field(default_factory=dict)
     error: BaseException | None = None
+    created: float = field(default_factory=time.monotonic)
+    # When a request of the group last reported.
+    finished: float | None = None
 
     @property
     def complete(self) -> bool:
-        return self.error is not None or len(self.outputs) == self.size
+        return self.error is not None or (self.size > 0 and len(self.outputs) >= self.size)
+
+    def expired(self, now: float, waited: bool, abandon_after_s: float, ttl_s: float) -> bool:
+        """Drop a group nobody waits for: its caller died before asking for it.
+
+        Callers ask for a group's result at submit time, so a group whose
+        requests reported ``abandon_after_s`` ago and that still has no waiter
+        belongs to a caller that is gone. Anything older
+        than ``ttl_s`` goes regardless.
+        """
+        if waited:
+            return False
+        if self.finished is not None and now - self.finished > abandon_after_s:
+            return True
+        return now - self.created > ttl_s
 
     def ordered(self) -> list[Any]:
         return [self.outputs[i] for i in range(self.size)]

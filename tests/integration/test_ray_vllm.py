@@ -1,0 +1,179 @@
+"""RayVLLM as users meet it: shared named deployments, ObjectRefs, concurrency, bad input.
+
+Values are checked against nnsight's in-process engine (``local_llama``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import ray
+import torch
+
+from conftest import assert_close, request_counts
+
+pytestmark = pytest.mark.integration
+
+
+def layer_and_logits(model, prompt: str):
+    with model.trace(prompt, temperature=0.0, max_tokens=1):
+        hidden = model.model.layers[2].output[0].clone().save()
+        logits = model.logits.clone().save()
+    return hidden, logits
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_workers(ray_tp1):
+    yield
+    assert request_counts(ray_tp1) == [0]
+
+
+def test_multi_invoke_and_edits_match_local(ray_tp1, local_llama):
+    def run(model):
+        with model.trace(temperature=0.0, max_tokens=2) as tracer:
+            with tracer.invoke("Hello"):
+                a = model.model.layers[1].output[0].clone().save()
+            with tracer.invoke("A longer prompt here"):
+                model.model.layers[1].output[0][:] = 0
+                b = model.logits.clone().save()
+        return a, b
+
+    for got, want in zip(run(ray_tp1), run(local_llama)):
+        assert_close(got, want)
+
+
+def test_per_sequence_saves_with_n2(ray_tp1, local_llama):
+    def run(model):
+        # n > 1 needs sampling; a per-request seed makes it reproducible.
+        with model.trace("Hello", temperature=0.8, seed=1234, max_tokens=2, n=2) as tracer:
+            logits = model.logits.clone().save()
+        return logits
+
+    got, want = run(ray_tp1), run(local_llama)
+    assert isinstance(got, list) and len(got) == 2
+    for g, w in zip(got, want):
+        assert_close(g, w)
+
+
+def test_non_blocking_ref_resolves_in_another_task(ray_tp1, local_llama):
+    with ray_tp1.trace("Hello world", temperature=0.0, max_tokens=1, blocking=False) as tracer:
+        hidden = ray_tp1.model.layers[2].output[0].clone().save()
+    assert isinstance(tracer.ref, ray.ObjectRef)
+
+    @ray.remote(num_cpus=0)
+    def norm_of(result):
+        return float(result["saves"]["hidden"].norm())
+
+    want, _ = layer_and_logits(local_llama, "Hello world")
+    assert abs(ray.get(norm_of.remote(tracer.ref)) - float(want.norm())) < 1e-3 * float(want.norm())
+    assert_close(tracer.collect()["hidden"], want)
+
+
+def test_32_concurrent_traces_from_ray_tasks_get_their_own_values(ray_tp1, local_llama):
+    prompts = [f"prompt number {i} " + "x" * (i % 7) for i in range(32)]
+
+    @ray.remote(num_cpus=1)
+    def client(batch):
+        from nnsight_ray import RayVLLM
+
+        model = RayVLLM.connect("tp1")
+        tracers = []
+        for prompt in batch:
+            with model.trace(prompt, temperature=0.0, max_tokens=1, blocking=False) as tracer:
+                hidden = model.model.layers[2].output[0][-1].clone().save()
+            tracers.append(tracer)
+        return [t.collect()["hidden"] for t in tracers]
+
+    batches = [prompts[i::8] for i in range(8)]
+    results = ray.get([client.remote(b) for b in batches], timeout=600)
+    for batch, values in zip(batches, results):
+        for prompt, value in zip(batch, values):
+            want, _ = layer_and_logits(local_llama, prompt)
+            assert_close(value, want[-1])
+
+
+def test_connect_from_a_separate_driver_process(ray_cluster, ray_tp1, local_llama, tmp_path):
+    script = tmp_path / "other_driver.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch, ray
+        ray.init(address=sys.argv[1], namespace="nnsight_ray")
+        from nnsight_ray import RayVLLM
+        model = RayVLLM.connect("tp1")
+        with model.trace("Hello world", temperature=0.0, max_tokens=1):
+            hidden = model.model.layers[2].output[0].clone().save()
+        torch.save(hidden, sys.argv[2])
+    """))
+    out = tmp_path / "hidden.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, str(script), ray_cluster.address, str(out)], check=True, timeout=300, env=env)
+    want, _ = layer_and_logits(local_llama, "Hello world")
+    assert_close(torch.load(out), want)
+
+
+def test_bad_requests_fail_alone_while_others_succeed(ray_tp1, local_llama):
+    from vllm import SamplingParams
+
+    # A good non-blocking trace in flight while the bad ones fail.
+    with ray_tp1.trace("Hello world", temperature=0.0, max_tokens=8, blocking=False) as good:
+        hidden = ray_tp1.model.layers[2].output[0].clone().save()
+
+    with pytest.raises(Exception, match="boom"):
+        with ray_tp1.trace("Hello", temperature=0.0, max_tokens=1):
+            ray_tp1.model.layers[0].output[0].save()
+            raise ValueError("boom")
+
+    with pytest.raises(Exception, match="nonexistent|has no attribute"):
+        with ray_tp1.trace("Hello", temperature=0.0, max_tokens=1):
+            ray_tp1.model.nonexistent.output.save()
+
+    with pytest.raises(Exception, match="no edit is installed|nope"):
+        with ray_tp1.trace("Hello", temperature=0.0, max_tokens=1, edits=["nope"]):
+            ray_tp1.model.layers[0].output[0].save()
+
+    # A malformed serialized block, sent the way nnsight ships one.
+    bad = SamplingParams(temperature=0.0, max_tokens=1)
+    bad.extra_args = {"nnsight_mediator": b"not a pickle"}
+    outputs = ray_tp1.vllm_entrypoint.generate(["Hello"], bad)
+    assert outputs[0].nnsight_error is not None
+
+    want, _ = layer_and_logits(local_llama, "Hello world")
+    assert_close(good.collect()["hidden"], want)
+    # And the engine still serves the next trace.
+    got, _ = layer_and_logits(ray_tp1, "Hello world")
+    assert_close(got, want)
+
+
+def test_oversized_prompt_fails_with_a_clear_error(ray_tp1):
+    with pytest.raises(Exception, match="(?i)longer than|maximum|max_model_len|too long"):
+        with ray_tp1.trace("x" * 1000, temperature=0.0, max_tokens=1):
+            ray_tp1.model.layers[0].output[0].save()
+
+
+def test_caller_that_dies_mid_request_leaks_nothing(ray_cluster, ray_tp1, tmp_path):
+    script = tmp_path / "dying_caller.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, ray
+        ray.init(address=sys.argv[1], namespace="nnsight_ray")
+        from nnsight_ray import RayVLLM
+        model = RayVLLM.connect("tp1")
+        with model.trace("Hello world", temperature=0.0, max_tokens=120, ignore_eos=True, blocking=False) as tracer:
+            hidden = model.model.layers[2].output[0].clone().save()
+        os._exit(3)   # gone before the request finishes
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, str(script), ray_cluster.address], timeout=300, env=env)
+    assert result.returncode == 3
+    deadline = time.monotonic() + 90   # the merge actor drops abandoned groups after 30 s
+    while time.monotonic() < deadline:
+        stats = ray.get(ray_tp1.vllm_entrypoint.merges[0].stats.remote())
+        if request_counts(ray_tp1) == [0] and stats["groups"] == 0:
+            break
+        time.sleep(1)
+    assert request_counts(ray_tp1) == [0]
+    assert ray.get(ray_tp1.vllm_entrypoint.merges[0].stats.remote())["groups"] == 0
+    assert ray_tp1.vllm_entrypoint.collective_rpc("nnsight_ray_stash_size") == [0]
