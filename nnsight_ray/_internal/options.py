@@ -70,6 +70,13 @@ def connect_ray(address: str | None = None) -> str:
 
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS")
+        if address and address.startswith(("ray://", "http://", "https://")):
+            raise ValueError(
+                f"RAY_ADDRESS={address!r}: nnsight_ray runs on a cluster node (or a Ray job) and joins "
+                "through the GCS address (host:6379, or 'auto'); Ray Client (ray://) and the dashboard "
+                "address (http://) cannot host the engine core's rank actors. Submit a Ray job instead "
+                "(scripts/submit_batch.py, `ray job submit`)."
+            )
         if address:
             ray.init(address=address, namespace=NAMESPACE)
         else:

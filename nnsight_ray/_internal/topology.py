@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
+
+_ACTOR_NAME = re.compile(r"(.+)\.pp(\d+)\.tp(\d+)")
 
 
 @dataclass(frozen=True, order=True)
@@ -20,10 +23,11 @@ class RankId:
 
     @classmethod
     def from_actor_name(cls, name: str) -> "RankId":
-        engine, pp, tp = name.rsplit(".", 2)
-        if not (pp.startswith("pp") and tp.startswith("tp")):
+        match = _ACTOR_NAME.fullmatch(name)
+        if match is None:
             raise ValueError(f"not a rank actor name: {name!r} (expected '<engine>.pp<P>.tp<T>')")
-        return cls(engine=engine, pp=int(pp[2:]), tp=int(tp[2:]))
+        engine, pp, tp = match.groups()
+        return cls(engine=engine, pp=int(pp), tp=int(tp))
 
 
 def cpu_binding_plan(hosts: list[dict[str, Any]], binding: str) -> list[list[int]]:
@@ -52,11 +56,15 @@ def cpu_binding_plan(hosts: list[dict[str, Any]], binding: str) -> list[list[int
         by_host.setdefault(host["ip"], []).append(rank)
     plan: list[list[int]] = [[] for _ in hosts]
     for ranks in by_host.values():
-        cpus = sorted(set(hosts[ranks[0]]["cpus"]))
+        cpus = sorted(set().union(*(hosts[r]["cpus"] for r in ranks)))
         if len(cpus) >= len(ranks):
-            share = len(cpus) // len(ranks)
+            # Contiguous slices; the remainder goes one each to the last ranks.
+            share, extra = divmod(len(cpus), len(ranks))
+            start = 0
             for i, rank in enumerate(ranks):
-                plan[rank] = cpus[i * share : (i + 1) * share]
+                size = share + (1 if i >= len(ranks) - extra else 0)
+                plan[rank] = cpus[start : start + size]
+                start += size
         else:
             for i, rank in enumerate(ranks):
                 plan[rank] = [cpus[i % len(cpus)]]

@@ -66,11 +66,6 @@ def test_bad_actor_names_rejected(name):
         RankId.from_actor_name(name)
 
 
-@pytest.mark.xfail(
-    reason="topology.RankId.from_actor_name accepts an empty engine and negative coordinates "
-    "(int('-1') parses); proposed fix: match r'(.+)\\.pp(\\d+)\\.tp(\\d+)' with re.fullmatch",
-    strict=False,
-)
 @pytest.mark.parametrize("name", [".pp0.tp0", "engine.pp-1.tp0", "engine.pp0.tp+1"])
 def test_degenerate_actor_names_rejected(name):
     with pytest.raises(ValueError):
@@ -94,11 +89,12 @@ def test_auto_single_rank_gets_all_cores():
 
 
 def test_auto_uneven_split_gives_each_rank_a_disjoint_share():
+    # The remainder goes to the last ranks: no core idles.
     plan = cpu_binding_plan([host("h", range(5))] * 2, "auto")
-    assert plan == [[0, 1], [2, 3]]
+    assert plan == [[0, 1], [2, 3, 4]]
     plan = cpu_binding_plan([host("h", range(4))] * 3, "auto")
-    assert all(len(cpus) == 1 for cpus in plan)
-    assert len({c for cpus in plan for c in cpus}) == 3  # disjoint
+    assert [len(cpus) for cpus in plan] == [1, 1, 2]
+    assert len({c for cpus in plan for c in cpus}) == 4  # disjoint, all used
 
 
 def test_auto_sorts_and_dedupes_reported_cpus():
