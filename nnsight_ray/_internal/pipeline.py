@@ -193,7 +193,7 @@ class Ghost(torch.Tensor):
     def _stop(self, what: str) -> GhostStop:
         return GhostStop(
             f"{what} of {self.origin}, which pipeline stage {self.owner} computes: stage "
-            f"{self.here}'s copy of this block stops here (stage {self.owner} runs it with the real value)."
+            f"{self.here}'s copy of this block stops here, stage {self.owner} runs it with the real value"
         )
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
@@ -504,6 +504,20 @@ class _Unsendable:
         self.reason = reason
 
 
+class _Written:
+    """Recorded where the owning stage applied a block's swap or skip (no value travels)."""
+
+    def __reduce__(self) -> Any:
+        return (_written, ())
+
+
+def _written() -> "_Written":
+    return WRITTEN
+
+
+WRITTEN = _Written()
+
+
 def encode_message(message: StageMessage, tp_size: int = 1, device: Any = None) -> torch.Tensor:
     """Pickle ``message`` into a uint8 tensor vLLM sends like any other intermediate tensor.
 
@@ -605,9 +619,11 @@ class StageMediator(Mediator):
                     )
                 elif pending.event is Event.SWAP:
                     value = pending.value if batcher is None else batcher.widen(value, self.batch_group, pending.value)
+                    stage.record(self, provider, iteration, WRITTEN)
                     self.pending = self.switch()
                 else:
                     value = pending.value if batcher is None else batcher.gather_skip(value, self.batch_group, pending.value)
+                    stage.record(self, provider, iteration, WRITTEN)
                     self.pending = self.switch()
             pending = self.pending
         return value
@@ -628,6 +644,9 @@ class StageState:
     order: list = field(default_factory=list)
     values: dict = field(default_factory=dict)
     busy: bool = False
+    #: The last order earlier stages sent: locations are the same every step,
+    #: so a step whose earlier stages had no live block to report replays it.
+    last_order: Optional[list] = None
     #: Mediator key -> why its copy on this or an earlier stage ended, kept
     #: until its request is collected (see `StageInterleaver._missing`).
     ended: dict = field(default_factory=dict)
@@ -643,6 +662,7 @@ class StageState:
         self.busy = False
         if message is not None:
             self.ended.update(message.stopped)
+            self.last_order = message.order
 
     def forget(self, request_id: str) -> None:
         """Drop what is kept about a collected request's blocks."""
@@ -650,8 +670,9 @@ class StageState:
             del self.ended[key]
 
     def record(self, mediator: Mediator, provider: str, occurrence: int, served: Any) -> None:
+        """Note one event a block had served at an own location: the value it read, or `WRITTEN`."""
         key = (getattr(mediator, "_pp_key", ("", "")), self.map.code(provider), occurrence)
-        self.values.setdefault(key, []).append(_clone(served))
+        self.values.setdefault(key, []).append(served if served is WRITTEN else _clone(served))
 
     def ghost_for(self, provider: str, owner: int) -> Any:
         shape = self.shapes.get(self.map.templates.get(provider, ""))
@@ -719,10 +740,28 @@ class StageInterleaver:
         """Replay every location earlier stages handled this step, in their order."""
         stage = self.nnsight_stage
         stage.caught_up = True
-        message = stage.inbox
-        if message is None or not self.mediators:
+        if not self.mediators:
             return
         stage.busy = True
+        message = stage.inbox
+        if message is None:
+            # The earlier stages had no live block this step (their copies
+            # ended): nothing was recorded, but the locations still passed.
+            if stage.last_order is None:
+                for mediator in list(self.mediators):
+                    pending = mediator.pending
+                    if pending is not None and pending.provider is not None:
+                        owner = stage.map.owner_of(pending.provider)
+                        if 0 <= owner < stage.map.stage:
+                            occurrence = mediator.occurrence(pending.provider)
+                            try:
+                                read = pending.event is Event.VALUE
+                                mediator.pending = _throw(mediator, self._missing(mediator, pending.provider, occurrence, None, read))
+                            except Exception as exception:
+                                _defer(mediator, exception)
+                self._reindex_parked()
+                return
+            message = stage.inbox = StageMessage(order=stage.last_order)
         for code in message.order:
             provider = stage.map.name(code)
             if provider in self.parked:
@@ -746,37 +785,41 @@ class StageInterleaver:
             while pending is not None and pending.provider == provider and pending.iteration == occurrence:
                 if mediator.iteration:
                     mediator.iteration = None
-                if pending.event is not Event.VALUE:  # the owning stage applied it
-                    mediator.pending = mediator.switch()
-                elif taken < len(values) and not isinstance(values[taken], _Unsendable):
-                    value = values[taken]
+                entry = values[taken] if taken < len(values) else None
+                read = pending.event is Event.VALUE
+                if entry is None or isinstance(entry, _Unsendable) or (entry is WRITTEN) == read:
+                    mediator.pending = _throw(mediator, self._missing(mediator, provider, occurrence, entry, read))
+                elif read:
                     taken += 1
                     if stage.device is not None:
-                        value = apply(value, lambda t: t.to(stage.device), torch.Tensor)
+                        entry = apply(entry, lambda t: t.to(stage.device), torch.Tensor)
                     mediator._pp_last = provider
-                    mediator.pending = mediator.switch(value)
-                else:
-                    mediator.pending = _throw(mediator, self._missing(mediator, provider, occurrence, values, taken))
+                    mediator.pending = mediator.switch(entry)
+                else:  # the owning stage applied the write; nothing to do here
+                    taken += 1
+                    mediator.pending = mediator.switch()
                 pending = mediator.pending
         except Exception as exception:
             _defer(mediator, exception)
 
-    def _missing(self, mediator: Mediator, provider: str, occurrence: int, values: Any, taken: int) -> BaseException:
+    def _missing(self, mediator: Mediator, provider: str, occurrence: int, entry: Any, read: bool) -> BaseException:
+        """The error for a block whose copy on the owning stage did not do what this copy does."""
         stage = self.nnsight_stage
         owner = stage.map.owner_of(provider)
-        if taken < len(values):
-            why = f"it could not be sent between stages ({values[taken].reason})"
+        what = f"the value of {provider} that pipeline stage {owner} served" if read else f"the write to {provider} that pipeline stage {owner} applied for"
+        if isinstance(entry, _Unsendable):
+            why = f"it could not be sent between stages ({entry.reason})"
         else:
             stopped = stage.ended.get(getattr(mediator, "_pp_key", None))
             why = (
                 f"that stage's copy of this block had already ended ({stopped})"
                 if stopped
-                else "that stage's copy of this block did not read it there (its control flow differed)"
+                else "that stage's copy of this block took another path there"
             )
         return PipelineDependencyError(
-            f"pipeline stage {stage.map.stage} needs the value of {provider} (step {occurrence}) that "
-            f"pipeline stage {owner} served this block, but {why}. A block whose control flow depends on "
-            "a value computed later in the forward cannot run under pipeline parallelism."
+            f"pipeline stage {stage.map.stage} needs {what} this block at step {occurrence}, but {why}. "
+            "A block whose control flow depends on a value computed later in the forward cannot run under "
+            "pipeline parallelism."
         )
 
     # -- later stages ----------------------------------------------------------
