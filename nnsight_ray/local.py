@@ -26,7 +26,7 @@ from nnsight.modeling.vllm import VLLM
 from ._internal import platform
 from .errors import RequestError
 
-__all__ = ["LocalVLLM", "intervention_error"]
+__all__ = ["LocalVLLM", "intervention_error", "raise_intervention"]
 
 # One class per builtin exception type, so `except ValueError` and identity
 # checks see the same class every time.
@@ -67,6 +67,18 @@ def intervention_error(deferred: dict, message: str) -> RequestError:
             cls = RequestError
         _TYPED_ERRORS[name] = cls
     return cls(message)
+
+
+def raise_intervention(deferred: dict | None) -> None:
+    """nnsight's ``raise_deferred`` with the typed exception of `intervention_error`."""
+    from nnsight.intervention.errors import raise_deferred
+
+    try:
+        raise_deferred(deferred)
+    except RuntimeError as exc:
+        if isinstance(exc, RequestError):
+            raise
+        raise intervention_error(deferred, str(exc)) from None
 
 
 class LocalVLLM(VLLM):

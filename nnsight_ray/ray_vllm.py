@@ -108,6 +108,20 @@ class RemoteEngine:
     def collective_rpc(self, method: str, args: tuple = (), **_: Any) -> list:
         return ray_get(self.engine.rpc.remote(method, tuple(args)))
 
+    def stream(self, prompt: Any, param: Any, lora: Any = None) -> tuple[str, Any]:
+        """Start one streamed request: ``(group, ObjectRefGenerator of RequestOutput)``."""
+        group = uuid.uuid4().hex
+        return group, self.engine.stream.options(num_returns="streaming").remote(group, prompt, param, lora)
+
+    async def finished_output(self, group: str) -> Any:
+        """The finished output of a streamed request, saves attached (from the merge actor)."""
+        import ray
+
+        try:
+            return (await self._merge(group).outputs.remote(group, 1))[0]
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
+            raise _unwrap(error) from None
+
     def topology(self) -> list[dict[str, Any]]:
         return ray_get(self.engine.get_topology.remote())
 
@@ -214,6 +228,10 @@ class RayVLLM(LocalVLLM):
         return self._deployment["name"]
 
     def trace(self, *inputs: Any, blocking: bool = True, **kwargs: Any) -> Any:
+        if self._async_engine and kwargs.get("backend") is None and kwargs.get("serve") is None:
+            from .streaming import RayStreamBackend
+
+            kwargs["backend"] = RayStreamBackend(self)
         tracer = super().trace(*inputs, **kwargs)
         self._trace_state.blocking = blocking
         self._trace_state.tracer = tracer
@@ -269,10 +287,10 @@ class RayVLLM(LocalVLLM):
 
 def _collect_ref(ref: Any, timeout: float | None = None) -> dict[str, Any]:
     """Block for a non-blocking trace's ``{name: value}``, re-raising its error."""
-    from nnsight.intervention.errors import raise_deferred
+    from .local import raise_intervention
 
     if ref is None:
         raise RequestError("this trace has no result reference: it was blocking, or has not exited yet")
     result = ray_get(ref, timeout)
-    raise_deferred(result["error"])
+    raise_intervention(result["error"])
     return result["saves"]

@@ -177,3 +177,57 @@ def test_caller_that_dies_mid_request_leaks_nothing(ray_cluster, ray_tp1, tmp_pa
     assert request_counts(ray_tp1) == [0]
     assert ray.get(ray_tp1.vllm_entrypoint.merges[0].stats.remote())["groups"] == 0
     assert ray_tp1.vllm_entrypoint.collective_rpc("nnsight_ray_stash_size") == [0]
+
+
+# -- async streaming (mode="async" is a client-side switch: same deployment) --
+
+
+@pytest.fixture(scope="module")
+def async_tp1(ray_tp1):
+    from nnsight_ray import RayVLLM
+
+    return RayVLLM.connect("tp1", mode="async")
+
+
+def test_stream_yields_steps_before_finish_and_saves_on_last(async_tp1, local_llama):
+    import asyncio
+
+    async def run():
+        with async_tp1.trace("Hello world", temperature=0.0, max_tokens=5) as tracer:
+            hidden = async_tp1.model.layers[2].output[0].clone().save()
+        seen = []
+        async for output in tracer.backend:
+            seen.append(output)
+        again = await tracer.backend
+        return seen, again
+
+    seen, again = asyncio.run(run())
+    assert len(seen) == 5 and [o.finished for o in seen] == [False] * 4 + [True]
+    assert all(o.saves == {} for o in seen[:-1])
+    want, _ = layer_and_logits(local_llama, "Hello world")
+    assert_close(seen[-1].saves["hidden"], want)
+    assert again is None  # consumed once, as in nnsight
+
+
+def test_stream_closed_early_frees_workers_and_intervention_errors_raise(async_tp1, ray_tp1):
+    import asyncio
+
+    async def run():
+        with async_tp1.trace("Hello world", temperature=0.0, max_tokens=100, ignore_eos=True) as tracer:
+            async_tp1.model.layers[2].output[0].save()
+        stream = tracer.backend.__aiter__()
+        first = await stream.__anext__()
+        await stream.aclose()
+        with async_tp1.trace("Hello", temperature=0.0, max_tokens=2) as tracer:
+            async_tp1.model.layers[0].output[0].save()
+            raise KeyError("boom")
+        with pytest.raises(KeyError, match="boom"):
+            await tracer.backend
+        return first
+
+    first = asyncio.run(run())
+    assert not first.finished
+    deadline = time.monotonic() + 30
+    while request_counts(ray_tp1) != [0] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert request_counts(ray_tp1) == [0]
