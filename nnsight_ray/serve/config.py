@@ -1,0 +1,110 @@
+"""``build_app``'s arguments, validated where they enter.
+
+They arrive from three places with three shapes: a Python dict
+(``build_app({...})``), a Serve config's ``args:`` mapping (YAML types), and
+``serve run nnsight_ray.serve:build_app key=value ...``, where every value is a
+string. Pydantic's lax mode turns ``"2"`` into ``2``; ``engine_kwargs`` may also
+be a JSON object in a string, the only way to spell a mapping on that command
+line. Unknown keys are refused with the list of known ones, so a typo fails at
+deploy time instead of silently building the wrong engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+__all__ = ["API_KEY_ENV", "DEFAULT_MAX_BODY_BYTES", "ServeArgs", "ServeArgsError"]
+
+API_KEY_ENV = "NNSIGHT_RAY_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+
+# Set through build_app's own arguments, never through engine_kwargs.
+_LAYOUT_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "placement_strategy")
+
+
+class ServeArgsError(ValueError):
+    """``build_app`` was given arguments it cannot deploy; nothing was started."""
+
+
+class ServeArgs(BaseModel):
+    """What one nnsight Serve application deploys, per replica."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(..., min_length=1, description="Checkpoint path or id, readable on every node.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks splitting each layer, per replica.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Ranks splitting the layer stack, per replica.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy of each replica's rank bundles."
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description=f"Required on every route but /health (header ndif-api-key, or Authorization: Bearer). "
+        f"Defaults to ${API_KEY_ENV} in the builder's, then the replica's, environment.",
+    )
+    max_body_bytes: int = Field(
+        DEFAULT_MAX_BODY_BYTES, gt=0, description="Largest request body accepted (413 above it)."
+    )
+    num_replicas: int = Field(
+        1, ge=1, description="Independent engines behind the route (a Serve config's deployments entry overrides it)."
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM engine arguments (max_model_len, dtype, ...), passed as they are."
+    )
+
+    @field_validator("engine_kwargs", mode="before")
+    @classmethod
+    def _engine_kwargs(cls, value: Any) -> Any:
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"engine_kwargs is a string but not JSON ({error}); write e.g. "
+                                 "engine_kwargs='{\"max_model_len\": 256}'") from None
+        if isinstance(value, dict):
+            clash = sorted(k for k in value if k in _LAYOUT_KEYS)
+            if clash:
+                raise ValueError(f"engine_kwargs sets {clash}; give them as build_app arguments instead")
+        return value
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (placement-group bundles) per replica."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def resolved_api_key(self, environ: dict[str, str] | None = None) -> str | None:
+        """The key to require: the argument, else ``$NNSIGHT_RAY_API_KEY``, else None (open)."""
+        if self.api_key is not None and self.api_key.get_secret_value():
+            return self.api_key.get_secret_value()
+        environ = os.environ if environ is None else environ
+        return environ.get(API_KEY_ENV) or None
+
+    def engine_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``RayVLLM`` besides the model path and name."""
+        return {
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "placement_strategy": self.placement_strategy,
+            **self.engine_kwargs,
+        }
+
+    @classmethod
+    def parse(cls, args: dict[str, Any] | None) -> "ServeArgs":
+        """Validate ``args``; raise :class:`ServeArgsError` naming every problem and the known keys."""
+        args = dict(args or {})
+        try:
+            return cls.model_validate(args)
+        except ValidationError as error:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '(args)'}: {e['msg']}" for e in error.errors()
+            )
+            raise ServeArgsError(
+                f"invalid nnsight_ray.serve:build_app arguments: {problems}. "
+                f"Known arguments: {sorted(cls.model_fields)}."
+            ) from None
