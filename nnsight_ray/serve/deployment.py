@@ -43,6 +43,8 @@ __all__ = ["NNsightDeployment", "NNsightRegistry"]
 logger = logging.getLogger(__name__)
 
 OCTET = "application/octet-stream"
+# Names the engine (replica) that served a request: for operators and tests.
+ENGINE_HEADER = "nnsight-engine"
 HEALTH_TIMEOUT_S = 20.0
 
 
@@ -239,7 +241,8 @@ class NNsightDeployment:
             built = build_trace(self.model, body, self.persistent_objects, compress)
         except Exception as error:
             logger.info("replica %s: trace failed to build: %s", self.engine_name, error)
-            return Response(trace_payload({}, capture_exception(error)), media_type=OCTET)
+            return Response(trace_payload({}, capture_exception(error)), media_type=OCTET,
+                            headers={ENGINE_HEADER: self.engine_name})
         ref = self.engine.trace_ref(built.prompts, built.params, built.loras, built.presaved)
         try:
             result = await ref
@@ -247,7 +250,8 @@ class NNsightDeployment:
             cause = _cause(error)
             logger.warning("replica %s: trace failed: %s", self.engine_name, cause)
             result = {"saves": {}, "error": capture_exception(cause)}
-        return Response(trace_payload(result["saves"], result["error"]), media_type=OCTET)
+        return Response(trace_payload(result["saves"], result["error"]), media_type=OCTET,
+                        headers={ENGINE_HEADER: self.engine_name})
 
     async def register(self, registration_id: str, request: Request, name: str | None = None) -> dict[str, Any]:
         """Install a block on every replica's engine (``model.edit(serve=url)``)."""
@@ -296,4 +300,5 @@ class NNsightDeployment:
                 return _openai_error(400, str(cause))
             logger.exception("replica %s: completion failed", self.engine_name)
             return _openai_error(500, f"{type(cause).__name__}: {cause}", "server_error")
-        return JSONResponse(completion_response(outputs, completion.model or self.args.model, return_saves))
+        return JSONResponse(completion_response(outputs, completion.model or self.args.model, return_saves),
+                            headers={ENGINE_HEADER: self.engine_name})

@@ -26,7 +26,7 @@ import io
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -115,7 +115,7 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[int] | list[str | list[int]]
     max_tokens: int | None = Field(16, ge=0)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -124,12 +124,26 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    stream: Literal[False] = False
-    echo: Literal[False] = False
-    logprobs: None = None
+    stream: bool = False
+    echo: bool = False
+    logprobs: int | None = None
     best_of: int | None = None
     user: str | None = None
     nnsight: NNsightOptions = Field(default_factory=NNsightOptions)
+
+    @field_validator("stream", "echo")
+    @classmethod
+    def _off(cls, value: bool, info: Any) -> bool:
+        if value:
+            raise ValueError(f"{info.field_name}=true is not supported by this server; send {info.field_name}=false")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("logprobs is not supported by this server; leave it out")
+        return value
 
     @field_validator("best_of")
     @classmethod

@@ -1,0 +1,314 @@
+"""The Ray Serve application over real HTTP on 127.0.0.1, real CPU engines.
+
+One application with two replicas (two TP=1 engines) serves most tests, and a
+second, one-replica PP=2 application (route prefix ``/pp2``) checks that any
+layout works behind the route. Both start together at the top of the module
+(engines take a minute on this machine). Clients are nnsight's own: a meta-only
+``LocalVLLM(path)`` with ``serve=url``; values are checked against nnsight's
+in-process engine (``local_llama``).
+"""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import ray
+import torch
+
+from conftest import ENGINE_KWARGS, assert_close
+
+pytestmark = pytest.mark.integration
+
+APP = "nnsight-serve-test"
+PP_APP = "nnsight-serve-test-pp2"
+KEY = "test-key-0123456789"
+MAX_BODY = 1 << 20
+READY_TIMEOUT_S = 480
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def registry_status(app: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("NNsightRegistry", app_name=app).status.remote().result(timeout_s=60)
+
+
+def wait_ready(app: str, replicas: int) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while len(registry_status(app)["engines"]) < replicas:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{app}: {replicas} engines not ready after {READY_TIMEOUT_S} s")
+        time.sleep(2)
+
+
+def engine_request_counts(app: str) -> list[int]:
+    counts = []
+    for engine in registry_status(app)["engines"]:
+        actor = ray.get_actor(f"{engine}.engine", namespace="nnsight_ray")
+        counts += ray.get(actor.rpc.remote("nnsight_request_count", ()), timeout=60)
+    return counts
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, model_dir):
+    """``{"url", "pp_url", "first_health"}``: both applications up, their engines ready."""
+    from ray import serve
+
+    from nnsight_ray._internal.deploy import list_deployments
+    from nnsight_ray.serve import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    common = {"model": model_dir, "engine_kwargs": ENGINE_KWARGS}
+    serve.run(build_app({**common, "num_replicas": 2, "api_key": KEY, "max_body_bytes": MAX_BODY}),
+              name=APP, route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    first = httpx.get(f"{url}/health", timeout=30)
+    serve.run(build_app({**common, "pipeline_parallel_size": 2, "placement_strategy": "SPREAD"}),
+              name=PP_APP, route_prefix="/pp2")
+    try:
+        wait_ready(APP, 2)
+        wait_ready(PP_APP, 1)
+        yield {"url": url, "pp_url": f"{url}/pp2", "first_health": (first.status_code, first.json())}
+    finally:
+        for app in (APP, PP_APP):
+            serve.delete(app)
+        serve.shutdown()
+        # The replicas shut their engines down (placement groups, rank actors).
+        deadline = time.monotonic() + 60
+        while any(d.startswith(APP) for d in list_deployments()) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not any(d.startswith(APP) for d in list_deployments())
+
+
+@pytest.fixture(scope="module")
+def client(model_dir):
+    """nnsight's client side: a meta-only model, no engine (nnsight's own VLLM cannot build one on CPU)."""
+    from nnsight_ray import LocalVLLM
+
+    return LocalVLLM(model_dir)
+
+
+def layer_and_logits(model, prompt: str, **serve):
+    with model.trace(prompt, temperature=0.0, max_tokens=1, **serve):
+        hidden = model.model.layers[2].output[0].clone().save()
+        logits = model.logits.clone().save()
+    return hidden, logits
+
+
+def on(served, **extra):
+    return {"serve": served["url"], "api_key": KEY, **extra}
+
+
+# --------------------------------------------------------------------------- readiness
+
+
+def test_health_is_503_until_the_engine_is_ready_then_200(served):
+    status, body = served["first_health"]
+    assert status == 503 and "not ready" in body["detail"]
+    assert httpx.get(f"{served['url']}/health").status_code == 200  # no key needed
+    assert len(registry_status(APP)["engines"]) == 2
+
+
+# --------------------------------------------------------------------------- nnsight's client
+
+
+def test_blocking_trace_matches_local(served, client, local_llama):
+    got = layer_and_logits(client, "Hello world", **on(served))
+    want = layer_and_logits(local_llama, "Hello world")
+    for g, w in zip(got, want):
+        assert_close(g, w)
+
+
+def test_multi_invoke_with_an_edit_matches_local(served, client, local_llama):
+    def run(model, **serve):
+        with model.trace(temperature=0.0, max_tokens=2, **serve) as tracer:
+            with tracer.invoke("Hello"):
+                a = model.model.layers[1].output[0].clone().save()
+            with tracer.invoke("A longer prompt here"):
+                model.model.layers[1].output[0][:] = 0
+                b = model.logits.clone().save()
+        return a, b
+
+    for got, want in zip(run(client, **on(served)), run(local_llama)):
+        assert_close(got, want)
+
+
+def test_non_blocking_trace_with_collect(served, client, local_llama):
+    from nnsight_ray.serve.client import NonBlockingServe
+
+    backends = [NonBlockingServe(client, served["url"], api_key=KEY) for _ in range(3)]
+    tracers = []
+    for prompt, backend in zip(["Hello world", "abc", "The quick brown fox"], backends):
+        with client.trace(prompt, temperature=0.0, max_tokens=1, backend=backend) as tracer:
+            hidden = client.model.layers[2].output[0].clone().save()
+        tracers.append((prompt, tracer))
+    for prompt, tracer in tracers:
+        assert_close(tracer.collect(timeout=120)["hidden"], layer_and_logits(local_llama, prompt)[0])
+
+
+def test_blocking_false_with_serve_runs_blocking_on_nnsight_0_8_1(served, client, local_llama):
+    """nnsight ignores ``blocking=`` next to ``serve=`` (docs/serve.md): values arrive as for a blocking trace."""
+    with client.trace("Hello world", temperature=0.0, max_tokens=1, blocking=False, **on(served)) as tracer:
+        hidden = client.model.layers[2].output[0].clone().save()
+    assert_close(hidden, layer_and_logits(local_llama, "Hello world")[0])
+    assert not hasattr(tracer, "collect")
+
+
+def test_sixteen_concurrent_clients_get_their_own_values(served, client, local_llama):
+    prompts = [f"client {i} says " + "xyz"[: i % 4] for i in range(16)]
+    want = {p: layer_and_logits(local_llama, p)[0][-1] for p in prompts}
+    barrier = threading.Barrier(16)
+
+    def one_client(prompt):
+        barrier.wait(timeout=60)
+        values = []
+        for _ in range(2):
+            with client.trace(prompt, temperature=0.0, max_tokens=1, **on(served)):
+                hidden = client.model.layers[2].output[0][-1].clone().save()
+            values.append(hidden)
+        return values
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one_client, prompts, timeout=300))
+    for prompt, values in zip(prompts, results):
+        for value in values:
+            assert_close(value, want[prompt])
+    assert set(engine_request_counts(APP)) == {0}
+
+
+def test_any_layout_behind_the_route_pp2(served, client, local_llama):
+    got = layer_and_logits(client, "Hello world", serve=served["pp_url"])
+    want = layer_and_logits(local_llama, "Hello world")
+    for g, w in zip(got, want):
+        assert_close(g, w)
+
+
+# --------------------------------------------------------------------------- replicas, registered blocks, completions
+
+
+def completions(served, prompt, return_saves=True, **extra):
+    response = httpx.post(f"{served['url']}/v1/completions", timeout=120, headers={"Authorization": f"Bearer {KEY}"},
+                          json={"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                "nnsight": {"return_saves": return_saves}, **extra})
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_registered_block_reaches_both_replicas_and_completions_carry_its_values(served, client, local_llama):
+    from nnsight_ray.serve import decode_saves
+
+    with client.edit(serve=served["url"], api_key=KEY) as (tracer, edit):
+        registered = client.model.layers[2].output[0].clone().save()
+    assert [r["id"] for r in registry_status(APP)["registrations"]] == [edit.id]
+    try:
+        prompts = ["Hello world", "abc def"]
+        want = {p: layer_and_logits(local_llama, p)[0] for p in prompts}
+        engines = set()
+        for attempt in range(40):
+            response = completions(served, prompts)
+            engines.add(response.headers["nnsight-engine"])
+            saves = decode_saves(response.json()["nnsight_saves"])
+            assert len(saves) == 2
+            for prompt, values in zip(prompts, saves):
+                assert_close(values["registered"], want[prompt])
+            if len(engines) == 2 and attempt >= 3:
+                break
+        assert len(engines) == 2, f"only {engines} answered"
+    finally:
+        edit.clear()
+    assert registry_status(APP)["registrations"] == []
+    for _ in range(6):
+        assert decode_saves(completions(served, "Hello world").json()["nnsight_saves"]) == [{}]
+
+
+def test_completions_match_local_generate_and_speak_openai(served, local_llama):
+    openai = pytest.importorskip("openai")
+
+    want = local_llama.generate("Hello world", max_tokens=4, temperature=0.0)[0].outputs[0].text
+    api = openai.OpenAI(base_url=f"{served['url']}/v1", api_key=KEY, max_retries=0)
+    result = api.completions.create(model="tiny", prompt=["Hello world", "abc"], max_tokens=4, temperature=0)
+    assert result.object == "text_completion" and len(result.choices) == 2
+    assert result.choices[0].text == want
+    assert result.usage.completion_tokens == 8
+    bad = httpx.post(f"{served['url']}/v1/completions", headers={"ndif-api-key": KEY},
+                     json={"prompt": "x", "stream": True})
+    assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------- security and bad requests
+
+
+def test_wrong_or_missing_key_is_refused_and_nothing_runs(served, client):
+    url = served["url"]
+    for route in ("/v1/nnsight/generate", "/v1/nnsight/register/x", "/v1/nnsight/register/x/clear", "/v1/completions"):
+        assert httpx.post(f"{url}{route}", content=b"{}").status_code == 401
+        assert httpx.post(f"{url}{route}", content=b"{}", headers={"ndif-api-key": "wrong"}).status_code == 403
+    with pytest.raises(ConnectionError, match="403"):
+        layer_and_logits(client, "Hello", serve=url, api_key="wrong")
+    with pytest.raises(ConnectionError, match="403"):
+        with client.edit(serve=url, api_key="wrong") as (tracer, edit):
+            client.model.layers[0].output[0].save()
+    assert registry_status(APP)["registrations"] == []
+    assert decode_only(completions(served, "Hello")) == [{}]
+
+
+def decode_only(response):
+    from nnsight_ray.serve import decode_saves
+
+    return decode_saves(response.json()["nnsight_saves"])
+
+
+def raw_generate(url: str, body, **headers):
+    return httpx.post(f"{url}/v1/nnsight/generate", content=body, timeout=120,
+                      headers={"ndif-api-key": KEY, "content-type": "application/octet-stream", **headers})
+
+
+def test_bad_requests_fail_alone_while_others_succeed(served, client, local_llama):
+    url = served["url"]
+    want = layer_and_logits(local_llama, "Hello world")[0]
+
+    def good():
+        return layer_and_logits(client, "Hello world", **on(served))[0]
+
+    def raising():
+        with pytest.raises(Exception, match="IndexError|index"):
+            with client.trace("Hello", temperature=0.0, max_tokens=1, **on(served)):
+                client.model.layers[2].output[0][10_000].save()
+        return "raised"
+
+    def corrupt():
+        response = raw_generate(url, b"\x80\x04 definitely not a trace")
+        assert response.status_code == 200
+        result = torch.load(io.BytesIO(response.content), weights_only=False)
+        assert result["saves"] == {} and result["error"] is not None
+        return result["error"]["type_name"]
+
+    def oversized_declared():
+        return raw_generate(url, b"x" * (MAX_BODY + 1)).status_code
+
+    def oversized_streamed():
+        return raw_generate(url, iter([b"y" * (MAX_BODY // 2)] * 3)).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        goods = [pool.submit(good) for _ in range(4)]
+        bads = [pool.submit(f) for f in (raising, corrupt, oversized_declared, oversized_streamed)]
+        results = [f.result(timeout=300) for f in bads]
+        for future in goods:
+            assert_close(future.result(timeout=300), want)
+    assert results[0] == "raised" and isinstance(results[1], str)
+    assert results[2:] == [413, 413]
+    assert "exceeds the limit" in raw_generate(url, b"x" * (MAX_BODY + 1)).json()["detail"]
+    assert_close(good(), want)
+    assert set(engine_request_counts(APP)) == {0}
