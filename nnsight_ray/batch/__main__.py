@@ -1,0 +1,148 @@
+"""``python -m nnsight_ray.batch``: run a batch config on a Ray cluster.
+
+Usage::
+
+    python -m nnsight_ray.batch --config run.yaml [--set key.sub=value ...]
+                                [--address HOST:PORT | --local-cluster N]
+                                [--connect NAME ...] [--check]
+
+Examples::
+
+    # inside a Ray job (RAY_ADDRESS is set by Ray):
+    ray job submit --address http://127.0.0.1:8265 --working-dir . \\
+        -- python -m nnsight_ray.batch --config cluster_configs/batch-demo.yaml
+    # on this machine, on an embedded cluster of three raylets:
+    python -m nnsight_ray.batch --config cluster_configs/batch-demo.yaml --local-cluster 3
+    # check a config and its inputs without starting any engine:
+    python -m nnsight_ray.batch --config run.yaml --check
+    # two engines instead of one, another output folder:
+    python -m nnsight_ray.batch --config run.yaml --set engine.replicas=2 --set output.dir=runs/r2
+
+Rerunning the same command resumes: finished shards are kept, the rest run.
+Exit status: 0 done, 1 some shards unfinished (rerun to resume), 2 bad config
+or inputs (nothing started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Sequence
+
+__all__ = ["add_arguments", "main", "run_from_args"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--config", required=True, help="batch run YAML (schema: nnsight_ray.batch.config)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set engine.replicas=2 --set saves.0.tokens=all")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--address", help="GCS address of the Ray cluster to join (host:port); "
+                       "default: RAY_ADDRESS (set inside Ray jobs)")
+    where.add_argument("--local-cluster", type=int, metavar="N",
+                       help="start an embedded cluster of N raylets on 127.0.0.1 for this run (demo, tests)")
+    parser.add_argument("--cpus-per-node", type=int, default=2,
+                        help="logical CPUs of each --local-cluster raylet (default 2)")
+    parser.add_argument("--connect", action="append", default=[], metavar="NAME",
+                        help="use this running named deployment as a replica instead of starting engines "
+                        "(repeat for several)")
+    parser.add_argument("--check", action="store_true",
+                        help="check the config and every input (prompts, intervention, save locations), then exit")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging of nnsight_ray")
+    return parser
+
+
+def _logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("nnsight_ray")
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+class LocalCluster:
+    """``ray.cluster_utils.Cluster`` of ``n`` raylets on 127.0.0.1 (a head and n-1 nodes)."""
+
+    def __init__(self, n: int, cpus_per_node: int = 2) -> None:
+        if n < 1:
+            raise ValueError(f"--local-cluster {n}: need at least one raylet")
+        # Before Ray is imported: every raylet and this driver bind 127.0.0.1.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        # Raylets start slowly on a busy machine; Ray's default wait (10 s) then
+        # fails the start-up ("The current node timed out during startup").
+        os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+        import ray
+        from ray.cluster_utils import Cluster
+
+        from .._internal.options import NAMESPACE
+
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": cpus_per_node, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+        )
+        for _ in range(n - 1):
+            self.cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
+        self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, namespace=NAMESPACE)
+        self.address = self.cluster.address
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .errors import BatchConfigError, BatchRunError
+
+    _logging(args.verbose)
+    try:
+        config = load_config(args.config, args.overrides)
+        if args.check:
+            from .runner import prepare
+
+            prepared = prepare(config, args.config)
+            print(f"config OK: {len(prepared.prompts)} prompts in {len(prepared.plans)} shards -> "
+                  f"{prepared.run_dir.path}"
+                  + (f"; saves read in order {[r.name for r in prepared.reads]}" if prepared.reads else ""))
+            return 0
+    except BatchConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    cluster = None
+    try:
+        if args.local_cluster:
+            cluster = LocalCluster(args.local_cluster, args.cpus_per_node)
+        from .._internal.options import connect_ray
+        from .runner import run_batch
+
+        connect_ray(args.address)
+        result = run_batch(config, args.config, connect=args.connect, raise_on_failure=False)
+        print(result.summary(), flush=True)
+        return 0 if result.complete else 1
+    except BatchConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except BatchRunError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nnsight_ray.batch",
+                                     description="Run a batch of nnsight traces on a Ray cluster; "
+                                     "shards to disk, resumable.")
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""The batch run's config: one YAML file, validated at the boundary.
+
+The schema (agreed with ``cluster_configs/``; every section but ``model``,
+``prompts`` and one of ``saves``/``intervention`` has defaults)::
+
+    model:        {path, build_arch}
+    engine:       {tensor_parallel_size, pipeline_parallel_size, placement_strategy,
+                   cpus_per_rank, gpus_per_rank, replicas, engine_kwargs}
+    prompts:      {path, id_field, text_field}
+    saves:        [{location, tokens}]        # or
+    intervention: path/to/file.py             # defines intervene(model, tracer) -> dict
+    sampling:     {max_tokens, temperature}
+    output:       {dir, shard_size}
+    runner:       {max_in_flight, prompts_per_trace, shard_retries, engine_restarts,
+                   request_timeout_s, progress_interval_s}   # optional tuning
+
+Unknown keys are refused with the allowed ones listed (a typo would otherwise
+silently fall back to a default). Loading checks shapes and values only: files
+named by the config are checked by the runner's preflight
+(``nnsight_ray.batch.runner.prepare``), before any engine starts, so a config
+can be validated on a machine that has none of them (CI, a laptop).
+
+Overrides (``--set key.sub=value``) are applied to the parsed YAML before
+validation; values are YAML (``1``, ``true``, ``null``, ``[a, b]``,
+``{location: logits}``); a numeric segment indexes a list (``saves.0.tokens=all``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import typing
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import BatchConfigError
+
+__all__ = [
+    "BatchConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "OutputConfig",
+    "PromptsConfig",
+    "RunnerConfig",
+    "SamplingConfig",
+    "SaveSpec",
+    "apply_overrides",
+    "load_config",
+]
+
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+PROMPT_SUFFIXES = (".jsonl", ".txt", ".parquet")
+# Engine arguments the config's own keys own; in engine_kwargs they would be
+# silently overridden or contradict the layout.
+_RESERVED_ENGINE_KWARGS = {
+    "model": "model.path",
+    "tensor_parallel_size": "engine.tensor_parallel_size",
+    "pipeline_parallel_size": "engine.pipeline_parallel_size",
+    "distributed_executor_backend": "(set by nnsight_ray: ranks are Ray actors)",
+    "placement_strategy": "engine.placement_strategy",
+    "cpus_per_rank": "engine.cpus_per_rank",
+    "gpus_per_rank": "engine.gpus_per_rank",
+}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    """The checkpoint every rank loads."""
+
+    path: str = Field(min_length=1, description="Checkpoint folder or hub id; must resolve on every node.")
+    build_arch: Literal["llama", "gpt2"] | None = Field(
+        None, description="Build the project's seeded tiny test model of this architecture at `path` if missing."
+    )
+
+
+class EngineConfig(_Section):
+    """The vLLM engine(s) and where their ranks run."""
+
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks splitting each layer.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Ranks splitting the layer stack.")
+    placement_strategy: PlacementStrategy = Field("PACK", description="Ray placement-group strategy of the rank bundles.")
+    cpus_per_rank: float = Field(1.0, ge=0, description="CPUs each rank's bundle reserves.")
+    gpus_per_rank: float = Field(1.0, ge=0, description="GPUs each rank's bundle reserves (GPU platforms only).")
+    replicas: int = Field(1, ge=1, description="Independent engines splitting the prompts.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments, as they are.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _no_layout_in_engine_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key, owner in _RESERVED_ENGINE_KWARGS.items():
+            if key in value:
+                raise ValueError(f"engine_kwargs.{key} is not allowed here; use {owner}")
+        return value
+
+
+class PromptsConfig(_Section):
+    """Where the prompts come from."""
+
+    path: str = Field(min_length=1, description="A .jsonl (one object per line), .txt (one prompt per line) or .parquet file.")
+    id_field: str = Field("id", min_length=1, description="Field holding each prompt's id (.jsonl, .parquet).")
+    text_field: str = Field("prompt", min_length=1, description="Field holding the prompt text (.jsonl, .parquet).")
+
+    @field_validator("path")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        if Path(value).suffix.lower() not in PROMPT_SUFFIXES:
+            raise ValueError(f"{value!r}: prompts must be one of {', '.join(PROMPT_SUFFIXES)} (by file suffix)")
+        return value
+
+
+class SaveSpec(_Section):
+    """One value to save per prompt: a module's output/input, or the logits."""
+
+    location: str = Field(
+        min_length=1,
+        description="An envoy path ending in .output or .input (model.layers.1.output), or 'logits'.",
+    )
+    tokens: Literal["last", "all"] = Field("last", description="Token positions kept: the last prompt token, or all.")
+
+    @field_validator("location")
+    @classmethod
+    def _shape(cls, value: str) -> str:
+        value = value.strip()
+        if value.startswith("model.logits"):
+            value = value.removeprefix("model.")
+        if value == "logits":
+            return value
+        parts = value.split(".")
+        if len(parts) < 2 or parts[-1] not in ("output", "input") or not all(parts):
+            raise ValueError(
+                f"{value!r}: a location is a module path ending in '.output' or '.input' "
+                "(e.g. 'model.layers.1.output'), or 'logits'"
+            )
+        return value
+
+    @property
+    def module_path(self) -> str | None:
+        """The module's dotted path (``model.layers.1``), None for ``logits``."""
+        return None if self.location == "logits" else self.location.rsplit(".", 1)[0]
+
+    @property
+    def attribute(self) -> str:
+        return "logits" if self.location == "logits" else self.location.rsplit(".", 1)[1]
+
+
+class SamplingConfig(_Section):
+    """Sampling for each prompt's request; saves read the prompt's forward pass."""
+
+    max_tokens: int = Field(1, ge=1, description="New tokens per prompt.")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy.")
+
+
+class OutputConfig(_Section):
+    """Where the shards, manifest and errors go."""
+
+    dir: str = Field(min_length=1, description="Run folder; rerunning into it resumes.")
+    shard_size: int = Field(64, ge=1, description="Prompts per shard file.")
+
+
+class RunnerConfig(_Section):
+    """Tuning of the runner itself; defaults suit most runs."""
+
+    max_in_flight: int = Field(32, ge=1, description="Prompts submitted and not yet returned, per engine replica.")
+    prompts_per_trace: int = Field(
+        8, ge=1, description="Prompts per trace (one invoke each); a trace with a failing prompt is retried one by one."
+    )
+    shard_retries: int = Field(2, ge=0, description="Times a shard is retried after an engine died under it.")
+    engine_restarts: int = Field(1, ge=0, description="Times a dead engine replica this run started is rebuilt.")
+    request_timeout_s: float = Field(600.0, gt=0, description="A trace not back after this long counts as an engine failure.")
+    progress_interval_s: float = Field(5.0, gt=0, description="Seconds between progress lines when stdout is not a terminal.")
+
+    @model_validator(mode="after")
+    def _window_holds_a_trace(self) -> "RunnerConfig":
+        if self.prompts_per_trace > self.max_in_flight:
+            raise ValueError(
+                f"prompts_per_trace ({self.prompts_per_trace}) exceeds max_in_flight ({self.max_in_flight}); "
+                "a trace's prompts are in flight together"
+            )
+        return self
+
+
+class BatchConfig(_Section):
+    """A whole batch run."""
+
+    model: ModelConfig
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    prompts: PromptsConfig
+    saves: list[SaveSpec] | None = Field(None, description="Values to save per prompt (or use `intervention`).")
+    intervention: str | None = Field(
+        None, description="A .py file defining `def intervene(model, tracer)` returning a dict of values to save."
+    )
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    output: OutputConfig
+    runner: RunnerConfig = Field(default_factory=RunnerConfig)
+
+    @model_validator(mode="after")
+    def _saves_or_intervention(self) -> "BatchConfig":
+        if bool(self.saves) == bool(self.intervention):
+            raise ValueError(
+                "give exactly one of `saves` (a list of {location, tokens}) or `intervention` (a .py file); "
+                f"got saves={'set' if self.saves else 'empty'} and intervention={self.intervention!r}"
+            )
+        if self.saves:
+            seen: set[str] = set()
+            for spec in self.saves:
+                if spec.location in seen:
+                    raise ValueError(f"saves: {spec.location!r} is listed twice")
+                seen.add(spec.location)
+        if self.intervention and Path(self.intervention).suffix != ".py":
+            raise ValueError(f"intervention: {self.intervention!r} should be a .py file")
+        return self
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> BatchConfig:
+    """Read, override and validate a batch config; raises ``BatchConfigError``."""
+    path = Path(path)
+    where = f"batch config {path}"
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise BatchConfigError(f"{where}: cannot read it ({error.strerror or error})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise BatchConfigError(f"{where}: not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise BatchConfigError(f"{where}: expected a mapping of sections at the top, got {type(data).__name__}")
+    data = apply_overrides(data, overrides)
+    return validate(data, where)
+
+
+def validate(data: dict[str, Any], where: str = "batch config") -> BatchConfig:
+    """Validate a parsed config (unknown keys first, with the allowed ones named)."""
+    problems = _unknown_keys(data, BatchConfig, "")
+    if problems:
+        raise BatchConfigError(f"{where}: " + "; ".join(problems))
+    try:
+        return BatchConfig.model_validate(data)
+    except ValidationError as error:
+        raise BatchConfigError(f"{where}: " + "; ".join(_describe(e) for e in error.errors())) from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """``key.sub=value`` assignments on a parsed config (a deep copy is returned)."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise BatchConfigError(f"override {item!r}: expected key.sub=value (e.g. engine.replicas=2)")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as error:
+            raise BatchConfigError(f"override {item!r}: value is not valid YAML: {error}") from None
+        parts = key.split(".")
+        node: Any = data
+        for depth, part in enumerate(parts[:-1]):
+            node = _child(node, part, parts[: depth + 1], item, create=True)
+        last = parts[-1]
+        if isinstance(node, list):
+            node[_index(node, last, parts, item)] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise BatchConfigError(f"override {item!r}: {'.'.join(parts[:-1])} is a value, not a section")
+    return data
+
+
+def _child(node: Any, part: str, path: list[str], item: str, create: bool) -> Any:
+    if isinstance(node, list):
+        return node[_index(node, part, path, item)]
+    if not isinstance(node, dict):
+        raise BatchConfigError(f"override {item!r}: {'.'.join(path[:-1])} is a value, not a section")
+    if node.get(part) is None and create:
+        node[part] = {}
+    return node[part]
+
+
+def _index(node: list, part: str, path: list[str], item: str) -> int:
+    try:
+        index = int(part)
+        node[index]
+    except (ValueError, IndexError):
+        raise BatchConfigError(
+            f"override {item!r}: {'.'.join(path)}: {'.'.join(path[:-1])} is a list of {len(node)}; "
+            "index it with 0..{}".format(len(node) - 1)
+        ) from None
+    return index
+
+
+def _section_type(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """The pydantic model a field holds (and whether as a list), through ``X | None``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is list and args:
+        inner, _ = _section_type(args[0])
+        return inner, inner is not None
+    for arg in args:
+        inner, is_list = _section_type(arg)
+        if inner is not None:
+            return inner, is_list
+    return None, False
+
+
+def _unknown_keys(data: Any, model: type[BaseModel], prefix: str) -> list[str]:
+    if not isinstance(data, dict):
+        return []
+    problems = []
+    allowed = list(model.model_fields)
+    for key in data:
+        name = f"{prefix}{key}"
+        if key not in allowed:
+            hint = difflib.get_close_matches(str(key), allowed, n=1)
+            section = f"'{prefix[:-1]}'" if prefix else "the top level"
+            problems.append(
+                f"unknown key '{name}'"
+                + (f" (did you mean '{prefix}{hint[0]}'?)" if hint else "")
+                + f"; allowed in {section}: {', '.join(allowed)}"
+            )
+            continue
+        inner, is_list = _section_type(model.model_fields[key].annotation)
+        if inner is None:
+            continue
+        if is_list and isinstance(data[key], list):
+            for i, item in enumerate(data[key]):
+                problems += _unknown_keys(item, inner, f"{name}.{i}.")
+        else:
+            problems += _unknown_keys(data[key], inner, f"{name}.")
+    return problems
+
+
+def _describe(error: dict[str, Any]) -> str:
+    where = ".".join(str(p) for p in error["loc"]) or "config"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "missing":
+        return f"{where}: required key missing"
+    if error["type"] in ("model_type", "dict_type"):
+        return f"{where}: expected a mapping, got {error.get('input')!r}"
+    shown = error.get("input")
+    if isinstance(shown, (dict, list)) or error["type"].startswith("value_error"):
+        return f"{where}: {message}"
+    return f"{where}: {message} (got {shown!r})"

@@ -1,0 +1,237 @@
+"""A run's folder: shard files, ``manifest.json``, ``errors.jsonl``. Pure I/O, no Ray.
+
+Layout of ``output.dir``::
+
+    shard-00000.parquet   one row per prompt of shard 0 (prompts 0..shard_size-1, file order)
+    shard-00001.parquet   ...
+    manifest.json         config, versions, replicas' topology, per-shard ids/counts/timings
+    errors.jsonl          one line per prompt whose intervention or request failed
+
+Shard format (Parquet, written with pyarrow; readable with pyarrow, pandas,
+polars, DuckDB, Spark): columns ``id`` (string), ``prompt`` (string), ``error``
+(string, null unless that prompt failed), and per saved value ``<name>``
+(``list<float32>``, the tensor flattened in C order, cast to float32) and
+``<name>.shape`` (``list<int32>``). A failed prompt keeps its row, with nulls
+for the values, so every planned id is in exactly one shard.
+
+Atomicity and resume: a shard is written to a temporary file in the same folder,
+fsynced, then renamed over its final name, so a shard file either is complete
+or does not exist. Its Parquet metadata (key ``nnsight_ray``) holds its record:
+index, ids, errors, timings, and the digest of the run's inputs. A rerun
+counts a shard finished when its file exists and its record has the same
+digest and ids as the plan; the manifest is rebuilt from those records, so a
+run killed between a shard's rename and the manifest write loses nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from .errors import BatchConfigError
+from .prompts import Prompt
+
+__all__ = ["ShardPlan", "ShardRecord", "RunDir", "plan_shards", "fingerprint_digest", "to_array"]
+
+FORMAT = "nnsight_ray.batch/1"
+METADATA_KEY = b"nnsight_ray"
+SHAPE_SUFFIX = ".shape"
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which prompts a shard holds: fixed by the prompt file and ``shard_size``."""
+
+    index: int
+    prompts: tuple[Prompt, ...]
+
+    @property
+    def ids(self) -> list[str]:
+        return [p.id for p in self.prompts]
+
+    @property
+    def file(self) -> str:
+        return f"shard-{self.index:05d}.parquet"
+
+
+def plan_shards(prompts: Sequence[Prompt], shard_size: int) -> list[ShardPlan]:
+    return [
+        ShardPlan(index, tuple(prompts[start : start + shard_size]))
+        for index, start in enumerate(range(0, len(prompts), shard_size))
+    ]
+
+
+@dataclass
+class ShardRecord:
+    """What the manifest says about a finished shard (also stored in the shard file)."""
+
+    index: int
+    file: str
+    ids: list[str]
+    count: int
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    finished_at: float = 0.0
+    replica: list[str] = field(default_factory=list)
+    attempts: int = 1
+    digest: str = ""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ShardRecord":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def to_array(value: Any):
+    """A saved value as a float32 numpy array (tensors of any dtype, numbers, nested lists)."""
+    import numpy as np
+
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", torch.float32).numpy()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return np.asarray(value, dtype=np.float32)
+
+
+class RunDir:
+    """The run folder: resume checks, atomic shard and manifest writes."""
+
+    def __init__(self, path: str | os.PathLike, fingerprint: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self.fingerprint = fingerprint
+        self.digest = fingerprint_digest(fingerprint)
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / "manifest.json"
+
+    @property
+    def errors_path(self) -> Path:
+        return self.path / "errors.jsonl"
+
+    # -- before the run -------------------------------------------------------
+
+    def previous_manifest(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.manifest_path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as error:
+            raise BatchConfigError(
+                f"output.dir {str(self.path)!r}: manifest.json is unreadable ({error}); move it away to start over"
+            ) from None
+
+    def check_compatible(self) -> dict[str, Any] | None:
+        """Refuse to resume a folder written from other inputs; returns the old manifest."""
+        previous = self.previous_manifest()
+        if previous is None:
+            return None
+        old = previous.get("fingerprint") or {}
+        if fingerprint_digest(old) == self.digest:
+            return previous
+        changed = sorted(k for k in set(old) | set(self.fingerprint) if old.get(k) != self.fingerprint.get(k))
+        raise BatchConfigError(
+            f"output.dir {str(self.path)!r} holds a run of different inputs (changed: {', '.join(changed)}); "
+            "resuming would mix them. Use another output.dir (--set output.dir=...) or delete that folder."
+        )
+
+    def prepare(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        for stale in self.path.glob("*.tmp-*"):
+            try:
+                stale.unlink()
+            except OSError:
+                pass
+
+    def finished(self, plans: Iterable[ShardPlan]) -> dict[int, ShardRecord]:
+        """Shards whose files are complete and belong to this plan."""
+        import pyarrow.parquet as pq
+
+        done = {}
+        for plan in plans:
+            path = self.path / plan.file
+            if not path.exists():
+                continue
+            try:
+                metadata = pq.read_schema(path).metadata or {}
+                record = ShardRecord.from_json(json.loads(metadata[METADATA_KEY]))
+            except Exception:
+                continue  # unreadable or foreign: redo it
+            if record.digest == self.digest and record.ids == plan.ids:
+                done[plan.index] = record
+        return done
+
+    # -- during the run -------------------------------------------------------
+
+    def write_shard(self, plan: ShardPlan, rows: dict[str, dict[str, Any]], columns: Sequence[str],
+                    record: ShardRecord) -> ShardRecord:
+        """Write one shard atomically. ``rows[id]`` is ``{"error": str|None, "values": {name: value}}``."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        names = list(columns)
+        for prompt in plan.prompts:
+            for name in rows[prompt.id].get("values") or {}:
+                if name not in names:
+                    names.append(name)
+        arrays: dict[str, Any] = {
+            "id": pa.array(plan.ids, pa.string()),
+            "prompt": pa.array([p.text for p in plan.prompts], pa.string()),
+            "error": pa.array([rows[p.id].get("error") for p in plan.prompts], pa.string()),
+        }
+        for name in names:
+            flat, shapes = [], []
+            for prompt in plan.prompts:
+                value = (rows[prompt.id].get("values") or {}).get(name)
+                if value is None:
+                    flat.append(None)
+                    shapes.append(None)
+                else:
+                    array = to_array(value)
+                    flat.append(array.ravel())
+                    shapes.append(list(array.shape))
+            arrays[name] = pa.array(flat, pa.list_(pa.float32()))
+            arrays[name + SHAPE_SUFFIX] = pa.array(shapes, pa.list_(pa.int32()))
+        record.digest = self.digest
+        table = pa.table(arrays).replace_schema_metadata({METADATA_KEY: json.dumps(asdict(record))})
+        self._atomic(self.path / plan.file, lambda handle: pq.write_table(table, handle))
+        return record
+
+    def write_manifest(self, manifest: dict[str, Any], records: dict[int, ShardRecord]) -> None:
+        """Manifest and errors.jsonl, each atomically; errors are derived from the shard records."""
+        ordered = [records[i] for i in sorted(records)]
+        manifest = {**manifest, "format": FORMAT, "fingerprint": self.fingerprint,
+                    "fingerprint_digest": self.digest, "shards": [asdict(r) for r in ordered]}
+        text = json.dumps(manifest, indent=2, default=str) + "\n"
+        self._atomic(self.manifest_path, lambda handle: handle.write(text.encode()))
+        lines = "".join(
+            json.dumps({"shard": r.index, **error}) + "\n" for r in ordered for error in r.errors
+        )
+        self._atomic(self.errors_path, lambda handle: handle.write(lines.encode()))
+
+    def _atomic(self, path: Path, write) -> None:
+        tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            with open(tmp, "wb") as handle:
+                write(handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            raise
