@@ -176,6 +176,7 @@ class EngineActor:
         self.topology = await llm.collective_rpc("nnsight_ray_describe")
         names = [t["actor_name"] for t in sorted(self.topology, key=lambda t: t["rank"])]
         await asyncio.gather(*(m.set_ranks.remote(names) for m in self.merges))
+        self._watcher = asyncio.ensure_future(self._watch_ranks())
         logger.info("engine %s ready: %d ranks", self.spec["name"], len(names))
         return self.topology
 
@@ -183,18 +184,60 @@ class EngineActor:
         merge = self.merges[merge_index(group, len(self.merges))]
         merge.finish.remote(group, index, request_id, output, error)
 
-    async def _describe_dead(self) -> str:
-        dead = []
+    def _dead_ranks(self) -> list[str]:
+        """Dead rank actors, the first to die first, each with its node.
+
+        Read from the GCS actor table (``ray._private.state.actors``, the data
+        behind ``ray list actors``) because it keeps *when* each actor ended:
+        vLLM's executor kills the surviving ranks within milliseconds of the
+        first death, and only the end times tell which one went first.
+        """
+        import ray._private.state as ray_state
+
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        for rank in self.topology:
-            name, node = rank["actor_name"], rank["node_id"]
+        ours = {(t["actor_name"], t["pid"]): t for t in self.topology}
+        ended = []
+        for actor in ray_state.actors().values():
+            rank = ours.get((actor.get("Name"), actor.get("Pid")))
+            if rank is not None and actor.get("State") == "DEAD":
+                ended.append((actor.get("EndTime") or 0, rank))
+        described = []
+        for _, rank in sorted(ended, key=lambda item: item[0]):
+            node = rank["node_id"]
+            where = "node removed" if node not in alive_nodes else "node alive"
+            described.append(f"rank pp{rank['pp_rank']}.tp{rank['tp_rank']} (actor {rank['actor_name']}) "
+                             f"on node {node} ({where})")
+        return described
+
+    async def _watch_ranks(self, period_s: float = 1.0) -> None:
+        """Fail the engine as soon as a rank is gone, whatever vLLM's core is doing.
+
+        vLLM's executor notices a dead rank too, but a core blocked mid-step
+        (a collective with the dead peer) may never report it; this loop does
+        not depend on that.
+        """
+        while self.core is not None and self.core.dead is None:
             try:
-                actor = ray.get_actor(name, namespace=NAMESPACE)
-                await asyncio.wait_for(actor.ping.remote(), timeout=5)
-            except Exception:
-                where = "removed" if node not in alive_nodes else "alive"
-                dead.append(f"rank pp{rank['pp_rank']}.tp{rank['tp_rank']} (actor {name}) on node {node} ({where})")
-        return "; ".join(dead) or "vLLM's engine core failed (no rank actor is dead; see the engine actor's log)"
+                dead = await asyncio.get_running_loop().run_in_executor(None, self._dead_ranks)
+            except Exception:  # the cluster is going away
+                return
+            if dead:
+                await self.core.fail(EngineDeadError(self._dead_message(dead)))
+                return
+            await asyncio.sleep(period_s)
+
+    @staticmethod
+    def _dead_message(dead: list[str]) -> str:
+        first, rest = dead[0], dead[1:]
+        tail = f" (then {len(rest)} more rank(s) were stopped: {'; '.join(rest)})" if rest else ""
+        return (f"the engine is dead: {first} died{tail}. Every pending request on it failed; "
+                "shut it down (model.shutdown()) and build a new one.")
+
+    async def _describe_dead(self) -> str:
+        dead = await asyncio.get_running_loop().run_in_executor(None, self._dead_ranks)
+        if dead:
+            return self._dead_message(dead)
+        return "the engine is dead: vLLM's engine core failed with every rank alive (see the engine actor's log)"
 
     def _require_core(self):
         if self.core is None:

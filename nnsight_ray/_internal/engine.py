@@ -33,12 +33,14 @@ logger = logging.getLogger(__name__)
 
 # (group, index, request_id, finished output or None, error or None)
 Notify = Callable[[str, int, str, Any, BaseException | None], None]
+# -> the full "engine is dead: ..." message
+DescribeDead = Callable[[], Awaitable[str]]
 
 
 class EngineCore:
     """One vLLM ``AsyncLLM`` with nnsight's workers on Ray rank actors."""
 
-    def __init__(self, llm: Any, notify: Notify, describe_dead: Callable[[], Awaitable[str]]) -> None:
+    def __init__(self, llm: Any, notify: Notify, describe_dead: DescribeDead) -> None:
         self.llm = llm
         self.notify = notify
         self.describe_dead = describe_dead
@@ -67,7 +69,7 @@ class EngineCore:
             async for output in self.llm.generate(prompt, param, request_id, lora_request=lora):
                 pass
         except asyncio.CancelledError:
-            error = RuntimeError(f"request {request_id} was cancelled")
+            error = self.dead or RuntimeError(f"request {request_id} was cancelled")
         except Exception as exception:  # bad prompt, engine dead, ...
             error = await self._explain(exception)
         finished = output is not None and output.finished and error is None
@@ -145,16 +147,28 @@ class EngineCore:
 
         if isinstance(exception, EngineDeadError):
             return exception
+        if self.dead is not None:
+            return self.dead
         if isinstance(exception, VLLMEngineDead) or getattr(self.llm, "errored", False):
-            if self.dead is None:
-                detail = await self.describe_dead()
-                self.dead = EngineDeadError(
-                    f"the engine is dead: {detail}. Every pending request on it failed; "
-                    "shut it down (model.shutdown()) and build a new one."
-                )
-                logger.error("%s", self.dead)
+            await self.fail(EngineDeadError(await self.describe_dead()))
             return self.dead
         return exception
+
+    async def fail(self, error: EngineDeadError) -> None:
+        """Declare the engine dead: every pending request fails with ``error``, now."""
+        if self.dead is not None:
+            return
+        self.dead = error
+        logger.error("%s", error)
+        for future in self._waiters.values():
+            if not future.done():
+                future.set_result(None)
+        for task in list(self._tasks):
+            task.cancel()
+        try:
+            self.llm.shutdown()
+        except Exception:
+            logger.debug("engine shutdown after failure raised", exc_info=True)
 
     async def rpc(self, method: str, args: tuple = ()) -> list:
         if self.dead is not None:
