@@ -65,7 +65,7 @@ def _logging(verbose: bool) -> None:
 class LocalCluster:
     """``ray.cluster_utils.Cluster`` of ``n`` raylets on 127.0.0.1 (a head and n-1 nodes)."""
 
-    def __init__(self, n: int, cpus_per_node: int = 2) -> None:
+    def __init__(self, n: int, cpus_per_node: int = 2, log_to_driver: bool = True) -> None:
         if n < 1:
             raise ValueError(f"--local-cluster {n}: need at least one raylet")
         # Before Ray is imported: every raylet and this driver bind 127.0.0.1.
@@ -85,7 +85,7 @@ class LocalCluster:
         for _ in range(n - 1):
             self.cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
         self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address, namespace=NAMESPACE)
+        ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=log_to_driver)
         self.address = self.cluster.address
 
     def shutdown(self) -> None:
