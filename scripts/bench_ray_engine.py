@@ -1,0 +1,240 @@
+"""Benchmarks of the Ray rank executor and RayVLLM, each a ratio measured side by side in one run.
+
+Parts (pick with ``--parts``; default all):
+
+``executor``  TP=2 on nnsight_ray's Ray rank executor vs vLLM's multiprocessing
+              executor, same engine args: engine start-up time and throughput of
+              plain ``generate`` (``--prompts`` x ``--tokens`` greedy tokens).
+              Target: Ray >= 0.9x multiprocessing.
+``rayvllm``   RayVLLM vs LocalVLLM (TP=1): 256 prompts x 8 greedy tokens, one
+              layer's output saved per request, as one multi-invoke trace per
+              chunk of 64 (identical user code for both). Target >= 0.9x.
+``loop``      The engine loop under heavy saves: per-token step time of a batch of
+              traces saving every layer's output at every generated token
+              (``tracer.all()``) vs the same traces saving nothing. Target <= 1.25x.
+``bytes``     Saved-bytes throughput rank -> caller (MB/s): RayVLLM non-blocking
+              traces vs nnsight's own ``serve=`` HTTP server (nnsight's FastAPI app
+              on the CPU engine), both saving every layer's output of a long prompt.
+
+Usage::
+
+    python scripts/bench_ray_engine.py [--parts executor,rayvllm,loop,bytes] [--prompts 64] [--tokens 16]
+
+Example (what docs/performance.md reports)::
+
+    .venv/bin/python scripts/bench_ray_engine.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+KV = 256 << 20
+ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=KV)
+
+
+def timed(fn, repeats: int = 3) -> float:
+    """Best of ``repeats`` wall times (the machine is shared; best = least disturbed)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def shutdown_local(model) -> None:
+    try:
+        model.vllm_entrypoint.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    gc.collect()
+
+
+def prompts(n: int, length: int = 24) -> list[str]:
+    return [(f"prompt {i}: " + "abcdefghij" * 50)[:length] for i in range(n)]
+
+
+def part_executor(model_dir: str, args) -> dict:
+    from nnsight_ray import LocalVLLM
+
+    work = prompts(args.prompts)
+
+    def run(model):
+        model.generate(work, max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+
+    results = {}
+    for label, kwargs in (("ray", dict(distributed_executor_backend="ray", placement_strategy="PACK")),
+                          ("mp", {})):
+        if label == "mp":
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+        start = time.perf_counter()
+        model = LocalVLLM(model_dir, dispatch=True, tensor_parallel_size=2, **ENGINE, **kwargs)
+        started = time.perf_counter() - start
+        run(model)  # warm-up (TP's first generate is slow on CPU)
+        wall = timed(lambda: run(model))
+        results[label] = {"start_s": started, "tokens_per_s": args.prompts * args.tokens / wall}
+        shutdown_local(model)
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    ratio = results["ray"]["tokens_per_s"] / results["mp"]["tokens_per_s"]
+    print(f"[executor] TP=2, {args.prompts} prompts x {args.tokens} tokens")
+    for label in ("ray", "mp"):
+        print(f"  {label:4s} start {results[label]['start_s']:6.1f} s   {results[label]['tokens_per_s']:8.1f} tok/s")
+    print(f"  ratio ray/mp throughput = {ratio:.2f}x (target >= 0.9x)")
+    return {"executor": results, "executor_ratio": ratio}
+
+
+def multi_invoke(model, chunk: list[str], max_tokens: int, layer: int = 2):
+    import nnsight
+
+    with model.trace(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) as tracer:
+        saved = nnsight.save([])
+        for prompt in chunk:
+            with tracer.invoke(prompt):
+                saved.append(model.model.layers[layer].output[0][-1].clone())
+    return saved
+
+
+def part_rayvllm(model_dir: str, local, remote) -> dict:
+    work = prompts(256)
+
+    def run(model):
+        for i in range(0, len(work), 64):
+            multi_invoke(model, work[i:i + 64], 8)
+
+    run(local), run(remote)  # warm-up
+    t_local, t_remote = timed(lambda: run(local)), timed(lambda: run(remote))
+    ratio = t_local / t_remote
+    print("[rayvllm] 256 prompts x 8 tokens, one layer saved per request, TP=1")
+    print(f"  LocalVLLM {256 / t_local:7.1f} prompts/s   RayVLLM {256 / t_remote:7.1f} prompts/s")
+    print(f"  ratio RayVLLM/LocalVLLM = {ratio:.2f}x (target >= 0.9x)")
+    return {"rayvllm_prompts_per_s": 256 / t_remote, "local_prompts_per_s": 256 / t_local, "rayvllm_ratio": ratio}
+
+
+def part_loop(remote, n: int = 16, tokens: int = 32) -> dict:
+    import nnsight
+
+    work = prompts(n, 48)
+
+    def heavy():
+        with remote.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True) as tracer:
+            for prompt in work:
+                with tracer.invoke(prompt):
+                    saves = nnsight.save([])
+                    for _ in tracer.all():
+                        for i in range(4):
+                            saves.append(remote.model.layers[i].output[0].clone())
+
+    def light():
+        with remote.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True) as tracer:
+            for prompt in work:
+                with tracer.invoke(prompt):
+                    pass
+
+    heavy(), light()
+    t_heavy, t_light = timed(heavy), timed(light)
+    ratio = t_heavy / t_light
+    print(f"[loop] {n} concurrent traces x {tokens} tokens")
+    print(f"  per-step time: heavy saves {1000 * t_heavy / tokens:6.1f} ms   none {1000 * t_light / tokens:6.1f} ms")
+    print(f"  ratio heavy/none = {ratio:.2f}x (target <= 1.25x)")
+    return {"loop_ratio": ratio, "loop_heavy_ms": 1000 * t_heavy / tokens, "loop_none_ms": 1000 * t_light / tokens}
+
+
+def part_bytes(model_dir: str, remote, n: int = 32) -> dict:
+    import importlib.util
+
+    from nnsight_ray import LocalVLLM
+
+    spec = importlib.util.spec_from_file_location("bench_serve", os.path.join(os.path.dirname(__file__), "bench_serve.py"))
+    bench_serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_serve)
+    long_prompt = "abcdefghij" * 40  # 400 tokens
+
+    def save_all(model, **kw):
+        with model.trace(long_prompt, temperature=0.0, max_tokens=1, **kw) as tracer:
+            hs = [model.model.layers[i].output[0].clone().save() for i in range(4)]
+        return tracer
+
+    def ray_run():
+        tracers = []
+        for _ in range(n):
+            with remote.trace(long_prompt, temperature=0.0, max_tokens=1, blocking=False) as tracer:
+                for i in range(4):
+                    remote.model.layers[i].output[0].clone().save()
+            tracers.append(tracer)
+        return sum(sum(v.numel() * v.element_size() for v in t.collect().values()) for t in tracers)
+
+    proc, url = bench_serve.start_nnsight_server(model_dir, 1, 1)
+    try:
+        bench_serve.wait_health(url, 600, proc)
+        client = LocalVLLM(model_dir, **ENGINE)
+
+        def serve_run():
+            total = 0
+            for _ in range(n):
+                with client.trace(long_prompt, temperature=0.0, max_tokens=1, serve=url, api_key=bench_serve.KEY):
+                    h0 = client.model.layers[0].output[0].clone().save()
+                    h1 = client.model.layers[1].output[0].clone().save()
+                    h2 = client.model.layers[2].output[0].clone().save()
+                    h3 = client.model.layers[3].output[0].clone().save()
+                total += sum(v.numel() * v.element_size() for v in (h0, h1, h2, h3))
+            return total
+
+        size = ray_run()
+        serve_run()
+        t_ray, t_serve = timed(ray_run), timed(serve_run)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    mb = size / 1e6
+    print(f"[bytes] {n} traces saving 4 layers x 400 tokens ({mb / n:.2f} MB each)")
+    print(f"  RayVLLM {mb / t_ray:7.1f} MB/s   nnsight serve= {mb / t_serve:7.1f} MB/s   ratio {t_serve / t_ray:.2f}x")
+    return {"bytes_ray_mb_s": mb / t_ray, "bytes_serve_mb_s": mb / t_serve}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="executor,rayvllm,loop,bytes")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--model-dir", default=None)
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+
+    import ray
+
+    from nnsight_ray.models import build_model
+
+    model_dir = args.model_dir or str(build_model(tempfile.mkdtemp(prefix="bench-llama-"), arch="llama"))
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+             namespace="nnsight_ray")
+    results = {}
+    if "executor" in parts:
+        results.update(part_executor(model_dir, args))
+    if parts & {"rayvllm", "loop", "bytes"}:
+        from nnsight_ray import LocalVLLM, RayVLLM
+
+        remote = RayVLLM(model_dir, name="bench", **ENGINE)
+        if "rayvllm" in parts:
+            local = LocalVLLM(model_dir, dispatch=True, **ENGINE)
+            results.update(part_rayvllm(model_dir, local, remote))
+            shutdown_local(local)
+        if "loop" in parts:
+            results.update(part_loop(remote))
+        if "bytes" in parts:
+            results.update(part_bytes(model_dir, remote))
+        remote.shutdown()
+    print(results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
