@@ -1,0 +1,491 @@
+"""The batch runner's pure parts: config schema and overrides, inputs, saves, scheduler, shards.
+
+Everything a config can get wrong must fail before any engine starts, with
+the key or file named; these tests check that without Ray (``ray.init``
+raises) and without vLLM (the meta-tree check runs on a stand-in module tree).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from nnsight_ray.batch.config import BatchConfig, apply_overrides, load_config, validate
+from nnsight_ray.batch.errors import BatchConfigError
+from nnsight_ray.batch.interventions import SaveRead, load_intervention, resolve_saves, to_residual
+from nnsight_ray.batch.progress import Progress
+from nnsight_ray.batch.prompts import Prompt, read_prompts
+from nnsight_ray.batch.runner import _error_info, prepare
+from nnsight_ray.batch.scheduler import Scheduler
+from nnsight_ray.batch.shards import RunDir, plan_shards
+
+ROOT = Path(__file__).resolve().parents[2]
+BATCH_DEMO = ROOT / "cluster_configs" / "batch-demo.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _no_ray(monkeypatch):
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("unit tests must not start or join Ray")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+def minimal(tmp_path: Path, **sections) -> dict:
+    prompts = tmp_path / "prompts.jsonl"
+    if not prompts.exists():
+        prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"hello {i}"}) + "\n" for i in range(10)))
+    data = {
+        "model": {"path": str(tmp_path / "model")},
+        "prompts": {"path": str(prompts)},
+        "saves": [{"location": "model.layers.1.output"}, {"location": "logits"}],
+        "output": {"dir": str(tmp_path / "out"), "shard_size": 4},
+    }
+    data.update(sections)
+    return data
+
+
+def write_config(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def test_demo_config_loads_with_defaults_filled(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    config = load_config(BATCH_DEMO)
+    assert config.engine.tensor_parallel_size == 2 and config.engine.world_size == 2
+    assert config.engine.placement_strategy == "STRICT_SPREAD"
+    assert [s.location for s in config.saves][-1] == "logits"
+    assert config.runner.max_in_flight == 32 and config.runner.prompts_per_trace <= 32
+
+
+def test_demo_prompts_file_is_the_demo_modules_prompts():
+    from nnsight_ray.demo import demo_prompts
+
+    rows = [json.loads(line) for line in (ROOT / "cluster_configs" / "demo-prompts.jsonl").read_text().splitlines()]
+    assert rows == demo_prompts() and len(rows) == 64
+
+
+@pytest.mark.parametrize(
+    "override,needle,allowed",
+    [
+        ("engine.tensor_paralel_size=2", "'engine.tensor_paralel_size' (did you mean 'engine.tensor_parallel_size'?)",
+         "tensor_parallel_size, pipeline_parallel_size, placement_strategy"),
+        ("outptu={dir: x}", "unknown key 'outptu' (did you mean 'output'?)", "model, engine, prompts, saves"),
+        ("saves.1.token=all", "unknown key 'saves.1.token' (did you mean 'saves.1.tokens'?)", "location, tokens"),
+        ("sampling.top_p=0.9", "unknown key 'sampling.top_p'", "max_tokens, temperature"),
+    ],
+)
+def test_unknown_keys_are_named_with_the_allowed_ones(tmp_path, override, needle, allowed):
+    path = write_config(tmp_path, minimal(tmp_path))
+    with pytest.raises(BatchConfigError) as error:
+        load_config(path, [override])
+    assert needle in str(error.value) and allowed in str(error.value)
+    assert str(path) in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("engine.replicas=0", "engine.replicas: Input should be greater than or equal to 1 (got 0)"),
+        ("engine.placement_strategy=SPREADY", "engine.placement_strategy"),
+        ("saves.0.tokens=first", "saves.0.tokens: Input should be 'last' or 'all'"),
+        ("saves.0.location=model.layers.1", "ending in '.output' or '.input'"),
+        ("prompts.path=prompts.csv", ".jsonl, .txt, .parquet"),
+        ("intervention=x.py", "exactly one of `saves`"),
+        ("saves=[]", "exactly one of `saves`"),
+        ("engine.engine_kwargs.tensor_parallel_size=2", "use engine.tensor_parallel_size"),
+        ("engine.engine_kwargs.model=/x", "use model.path"),
+        ("runner.prompts_per_trace=64", "exceeds max_in_flight"),
+        ("saves=[{location: logits}, {location: model.logits}]", "'logits' is listed twice"),
+        ("model=null", "model"),
+    ],
+)
+def test_bad_values_say_where_and_why(tmp_path, override, needle):
+    path = write_config(tmp_path, minimal(tmp_path))
+    with pytest.raises(BatchConfigError, match="batch config") as error:
+        load_config(path, [override])
+    assert needle in str(error.value)
+
+
+def test_missing_required_sections(tmp_path):
+    data = minimal(tmp_path)
+    del data["prompts"]
+    with pytest.raises(BatchConfigError, match="prompts: required key missing"):
+        validate(data)
+
+
+def test_unreadable_or_non_mapping_files(tmp_path):
+    with pytest.raises(BatchConfigError, match="cannot read it"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(BatchConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(BatchConfigError, match="expected a mapping"):
+        load_config(bad)
+
+
+def test_overrides_parse_yaml_values_and_index_lists(tmp_path):
+    data = minimal(tmp_path)
+    out = apply_overrides(data, [
+        "engine.replicas=2", "engine.engine_kwargs.max_model_len=512", "saves.0.tokens=all",
+        "sampling.temperature=0.5", "output.dir=/tmp/x y", "engine.engine_kwargs.enforce_eager=true",
+    ])
+    assert data["saves"][0].get("tokens") is None, "the input is not modified"
+    config = validate(out)
+    assert config.engine.replicas == 2 and config.engine.engine_kwargs == {"max_model_len": 512, "enforce_eager": True}
+    assert config.saves[0].tokens == "all" and config.sampling.temperature == 0.5 and config.output.dir == "/tmp/x y"
+    swapped = validate(apply_overrides(data, ["saves=null", "intervention=iv.py"]))
+    assert swapped.saves is None and swapped.intervention == "iv.py"
+    assert validate(apply_overrides(data, ["saves=[{location: model.logits}]"])).saves[0].location == "logits"
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("engine.replicas", "expected key.sub=value"),
+    ("=3", "expected key.sub=value"),
+    ("saves.7.tokens=all", "saves is a list of 2"),
+    ("saves.x.tokens=all", "saves is a list of 2"),
+    ("output.dir.sub=1", "output.dir is a value"),
+    ("engine.replicas=[unclosed", "not valid YAML"),
+])
+def test_bad_overrides(tmp_path, override, needle):
+    with pytest.raises(BatchConfigError, match="override") as error:
+        apply_overrides(minimal(tmp_path), [override])
+    assert needle in str(error.value)
+
+
+def test_config_is_frozen_and_serializable(tmp_path):
+    config = validate(minimal(tmp_path))
+    with pytest.raises(Exception):
+        config.output.shard_size = 3
+    assert BatchConfig.model_validate(config.model_dump()) == config
+
+
+# --------------------------------------------------------------------------- inputs (preflight without vLLM)
+
+
+def test_missing_prompt_file_fails_before_anything_starts(tmp_path):
+    config = validate(minimal(tmp_path, prompts={"path": str(tmp_path / "missing.jsonl")}))
+    with pytest.raises(BatchConfigError, match=r"prompts.path .*missing.jsonl.*: no such file"):
+        prepare(config, resolve=False)
+
+
+def test_prompt_formats_and_their_errors(tmp_path):
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text('{"key": 3, "text": "x"}\n\n{"key": "b", "text": "y"}\n')
+    assert read_prompts(jsonl, "key", "text") == [Prompt("3", "x"), Prompt("b", "y")]
+    with pytest.raises(BatchConfigError, match="line 1: no field 'id'"):
+        read_prompts(jsonl)
+    jsonl.write_text('{"id": 1, "prompt": "x"}\n{"id": 1, "prompt": "y"}\n')
+    with pytest.raises(BatchConfigError, match="duplicate id"):
+        read_prompts(jsonl)
+    jsonl.write_text('{"id": 1, "prompt": "x"}\nnot json\n')
+    with pytest.raises(BatchConfigError, match="line 2: not valid JSON"):
+        read_prompts(jsonl)
+    jsonl.write_text('{"id": 1, "prompt": 5}\n')
+    with pytest.raises(BatchConfigError, match="should be a string"):
+        read_prompts(jsonl)
+
+    txt = tmp_path / "b.txt"
+    txt.write_text("first\n\nthird\n")
+    assert read_prompts(txt) == [Prompt("1", "first"), Prompt("3", "third")]
+    txt.write_text("\n\n")
+    with pytest.raises(BatchConfigError, match="no prompts"):
+        read_prompts(txt)
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"uid": [10, 11], "prompt": ["p", "q"]}), parquet)
+    assert read_prompts(parquet, "uid") == [Prompt("10", "p"), Prompt("11", "q")]
+    with pytest.raises(BatchConfigError, match="no column 'id'"):
+        read_prompts(parquet)
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def intervention_config(tmp_path: Path, path: Path) -> BatchConfig:
+    return validate(minimal(tmp_path, saves=None, intervention=str(path)))
+
+
+@pytest.mark.parametrize(
+    "source,needle",
+    [
+        ("def intervene(model, tracer)\n    return {}\n", "syntax error at line 1: expected ':'"),
+        ("def intervene(model, tracer):\n  x = (\n", "syntax error at line 2"),
+        ("def other(model, tracer):\n    return {}\n", "defines no function `intervene(model, tracer)`"),
+        ("def intervene(model):\n    return {}\n", "cannot be called as intervene(model, tracer)"),
+        ("import no_such_module_here\n", "running the file failed: ModuleNotFoundError"),
+    ],
+)
+def test_bad_intervention_files_fail_before_anything_starts(tmp_path, source, needle):
+    config = intervention_config(tmp_path, write(tmp_path, "iv.py", source))
+    with pytest.raises(BatchConfigError) as error:
+        prepare(config, resolve=False)
+    assert "intervention" in str(error.value) and needle in str(error.value)
+
+
+def test_missing_intervention_file(tmp_path):
+    with pytest.raises(BatchConfigError, match="no such file"):
+        prepare(intervention_config(tmp_path, tmp_path / "gone.py"), resolve=False)
+
+
+def test_intervention_is_loaded_unregistered_so_it_ships_by_value(tmp_path):
+    import sys
+
+    import cloudpickle
+
+    path = write(tmp_path, "iv.py", "import torch\n\ndef intervene(model, tracer):\n    return {'x': torch.ones(2)}\n")
+    fn, digest = load_intervention(path)
+    intervene = fn.keywords["intervene"]
+    assert intervene.__module__ not in sys.modules and len(digest) == 64
+    # Shipped by value: loads in a process that never saw the file.
+    assert b"iv.py" in cloudpickle.dumps(intervene) or intervene.__module__.encode() in cloudpickle.dumps(intervene)
+    assert fn(None, None)["x"].tolist() == [1.0, 1.0]
+
+
+# --------------------------------------------------------------------------- save locations
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Linear(2, 2)
+
+
+class _Tree(torch.nn.Module):
+    """The shape of vLLM's Llama: model.{embed_tokens, layers.N, norm}, lm_head."""
+
+    def __init__(self, layers: int = 4):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(4, 2)
+        self.model.layers = torch.nn.ModuleList(_Block() for _ in range(layers))
+        self.model.norm = torch.nn.LayerNorm(2)
+        self.lm_head = torch.nn.Linear(2, 4)
+
+
+def specs(*locations: str):
+    return validate({"model": {"path": "m"}, "prompts": {"path": "p.jsonl"}, "output": {"dir": "o"},
+                     "saves": [{"location": loc} for loc in locations]}).saves
+
+
+def test_save_locations_resolve_in_execution_order():
+    reads = resolve_saves(_Tree(), specs("logits", "model.layers.3.output", "model.layers.1.mlp.output",
+                                         "model.layers.1.output", "model.layers.1.input", "model.norm.output"))
+    assert [r.name for r in reads] == ["model.layers.1.input", "model.layers.1.mlp.output", "model.layers.1.output",
+                                       "model.layers.3.output", "model.norm.output", "logits"]
+    assert reads[-1] == SaveRead("logits", None, "logits", "last")
+
+
+@pytest.mark.parametrize("location,needle", [
+    ("model.layers.10.output", "'model.layers' has no submodule '10' (its children: 0, 1, 2, 3)"),
+    ("model.decoder.output", "'model' has no submodule 'decoder' (its children: embed_tokens, layers, norm)"),
+    ("transformer.h.0.output", "the model has no submodule 'transformer' (its children: model, lm_head)"),
+    ("model.layers.0.mlp.gate.output", "'model.layers.0.mlp' has no submodule 'gate' (it has no children)"),
+])
+def test_unknown_module_paths_are_clear(location, needle):
+    with pytest.raises(BatchConfigError) as error:
+        resolve_saves(_Tree(), specs(location))
+    assert f"saves.0.location {location!r}" in str(error.value) and needle in str(error.value)
+
+
+def test_layer_outputs_are_saved_as_the_residual_stream():
+    hidden, residual = torch.randn(3, 4), torch.randn(3, 4)
+    assert torch.equal(to_residual((hidden, residual)), hidden + residual)
+    assert torch.equal(to_residual(hidden), hidden)
+    assert torch.equal(to_residual((hidden, torch.randn(2))), hidden)
+
+
+def test_nnsight_error_messages_are_unwrapped():
+    info = _error_info("RuntimeError", "ValueError: seven tokens\n\nIntervention traceback:\n  File x, line 3")
+    assert info == {"type": "ValueError", "message": "seven tokens", "traceback": "  File x, line 3"}
+    assert _error_info("ValueError", "ValueError: boom") == {"type": "ValueError", "message": "boom"}
+    assert _error_info("ValueError", "prompt too long")["message"] == "prompt too long"
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+def plans(n: int, shard_size: int):
+    return plan_shards([Prompt(f"p{i}", f"text {i}") for i in range(n)], shard_size)
+
+
+def drain(scheduler: Scheduler, room: int = 100) -> list:
+    chunks = []
+    while (chunk := scheduler.next_chunk(room)) is not None:
+        chunks.append(chunk)
+    return chunks
+
+
+def test_chunks_cover_each_prompt_once_and_shards_complete_in_order():
+    scheduler = Scheduler(plans(10, 4), prompts_per_trace=3, shard_retries=0)
+    assert scheduler.next_chunk(2) is None, "a chunk that does not fit the window waits"
+    finished, seen = [], []
+    while not scheduler.done:
+        chunk = scheduler.next_chunk(3)
+        seen += [(chunk.shard, p) for p in chunk.positions]
+        state = scheduler.succeeded(chunk, [{"v": p} for p in chunk.positions])
+        if state:
+            finished.append((state.plan.index, sorted(state.rows)))
+    assert sorted(seen) == sorted(set(seen)) and len(seen) == 10
+    assert [f[0] for f in finished] == [0, 1, 2] and finished[2][1] == ["p8", "p9"]
+
+
+def test_a_failing_trace_is_split_until_the_failing_prompt_is_found():
+    scheduler = Scheduler(plans(4, 4), prompts_per_trace=4, shard_retries=0)
+    (chunk,) = drain(scheduler)
+    assert scheduler.request_failed(chunk, {"type": "ValueError", "message": "x"}) is None
+    singles = drain(scheduler)
+    assert [c.positions for c in singles] == [(0,), (1,), (2,), (3,)]
+    for c in singles[:3]:
+        scheduler.succeeded(c, [{"v": 1}])
+    state = scheduler.request_failed(singles[3], {"type": "ValueError", "message": "bad", "traceback": "tb"})
+    assert state is not None and scheduler.done
+    assert state.errors == [{"id": "p3", "type": "ValueError", "message": "bad", "traceback": "tb"}]
+    assert state.rows["p3"]["error"] == "ValueError: bad" and state.rows["p0"]["error"] is None
+
+
+def test_lost_chunks_are_retried_then_their_shard_fails_never_dropped():
+    scheduler = Scheduler(plans(8, 4), prompts_per_trace=2, shard_retries=1)
+    first = [scheduler.next_chunk(2), scheduler.next_chunk(2)]  # shard 0's two chunks
+    assert {c.shard for c in first} == {0}
+    for c in first:
+        assert scheduler.lost(c, "engine A died") is None
+    again = [scheduler.next_chunk(2), scheduler.next_chunk(2)]
+    assert sorted(c.positions for c in again) == sorted(c.positions for c in first), "requeued at the front"
+    assert scheduler.lost(again[0], "engine B died") == 0, "a second failure exceeds shard_retries=1"
+    assert scheduler.succeeded(again[1], [{}, {}]) is None, "results of a failed shard are ignored"
+    assert 0 in scheduler.failed and "2 engine failures" in scheduler.failed[0]
+    rest = drain(scheduler)
+    assert {c.shard for c in rest} == {1}
+    for c in rest:
+        scheduler.succeeded(c, [{}] * len(c))
+    assert scheduler.done
+
+
+def test_abandon_fails_every_unfinished_shard():
+    scheduler = Scheduler(plans(12, 4), prompts_per_trace=4, shard_retries=3)
+    scheduler.succeeded(scheduler.next_chunk(4), [{}] * 4)
+    scheduler.next_chunk(4)
+    assert scheduler.abandon("no engine left") == [1, 2] and scheduler.done
+
+
+def test_missing_values_become_row_errors():
+    scheduler = Scheduler(plans(2, 2), prompts_per_trace=2, shard_retries=0)
+    state = scheduler.succeeded(scheduler.next_chunk(2), [{"a": 1}, None])
+    assert state.errors[0]["id"] == "p1" and state.errors[0]["type"] == "MissingValues"
+
+
+# --------------------------------------------------------------------------- shards
+
+
+def fingerprint(**extra):
+    return {"model": {"path": "m"}, "shard_size": 2, **extra}
+
+
+def test_shards_round_trip_with_shapes_errors_and_metadata(tmp_path):
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from nnsight_ray.batch.shards import ShardRecord
+
+    run = RunDir(tmp_path / "out", fingerprint())
+    run.prepare()
+    (plan,) = plans(2, 2)
+    rows = {
+        "p0": {"error": None, "values": {"h": torch.arange(6.0).reshape(2, 3), "s": 2.5,
+                                         "b": torch.ones(2, dtype=torch.bfloat16)}},
+        "p1": {"error": "ValueError: bad", "values": None,
+               "error_info": {"type": "ValueError", "message": "bad"}},
+    }
+    record = run.write_shard(plan, rows, ["h"], ShardRecord(0, plan.file, plan.ids, 2,
+                                                           errors=[{"id": "p1", "type": "ValueError"}]))
+    table = pq.read_table(tmp_path / "out" / plan.file)
+    assert table.column_names == ["id", "prompt", "error", "h", "h.shape", "s", "s.shape", "b", "b.shape"]
+    row0, row1 = table.to_pylist()
+    assert np.array_equal(np.reshape(row0["h"], row0["h.shape"]), np.arange(6.0).reshape(2, 3))
+    assert row0["s"] == [2.5] and row0["s.shape"] == [] and row0["b"] == [1.0, 1.0]
+    assert row1["h"] is None and row1["error"] == "ValueError: bad"
+    assert not list((tmp_path / "out").glob("*.tmp-*"))
+    assert run.finished(plans(2, 2)) == {0: record}
+
+    run.write_manifest({"status": "complete"}, {0: record})
+    manifest = json.loads(run.manifest_path.read_text())
+    assert manifest["shards"][0]["ids"] == ["p0", "p1"] and manifest["fingerprint"] == fingerprint()
+    assert [json.loads(line) for line in run.errors_path.read_text().splitlines()] == [
+        {"shard": 0, "id": "p1", "type": "ValueError"}]
+
+
+def test_resume_only_trusts_shards_of_the_same_inputs(tmp_path):
+    from nnsight_ray.batch.shards import ShardRecord
+
+    run = RunDir(tmp_path, fingerprint())
+    run.prepare()
+    plan0, plan1 = plans(4, 2)
+    rows = {p.id: {"error": None, "values": {"x": 1.0}} for p in plan0.prompts}
+    record = run.write_shard(plan0, rows, [], ShardRecord(0, plan0.file, plan0.ids, 2))
+    run.write_manifest({}, {0: record})
+    (tmp_path / plan1.file).write_bytes(b"half a parquet file")
+    (tmp_path / "shard-00009.parquet.tmp-host-1-2").write_bytes(b"partial")
+    assert set(run.finished([plan0, plan1])) == {0}, "a corrupt file is redone"
+    assert run.check_compatible() is not None
+    RunDir(tmp_path, fingerprint()).prepare()
+    assert not list(tmp_path.glob("*.tmp-*")), "stale temporary files are removed"
+    assert set(RunDir(tmp_path, fingerprint()).finished(plans(4, 2))) == {0}
+    reshuffled = plan_shards([Prompt("p1", "a"), Prompt("p0", "b")], 2)
+    assert RunDir(tmp_path, fingerprint()).finished(reshuffled) == {}, "other ids in the same shard: redone"
+    with pytest.raises(BatchConfigError, match=r"different inputs \(changed: shard_size\)"):
+        RunDir(tmp_path, fingerprint(shard_size=3)).check_compatible()
+
+
+# --------------------------------------------------------------------------- progress, CLI
+
+
+def test_progress_without_a_terminal_logs_lines():
+    stream = io.StringIO()
+    progress = Progress(10, initial=2, interval_s=0.0, stream=stream, interactive=False)
+    progress.update(3, errors=1)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert lines and lines[0].startswith("batch: 5/10 prompts (50.0%)") and "prompts/s" in lines[0]
+    assert "ETA" in lines[0] and "errors 1" in lines[0]
+
+
+def test_cli_bad_config_exits_2_before_anything_starts(tmp_path, capsys):
+    from nnsight_ray.cli import main
+
+    path = write_config(tmp_path, minimal(tmp_path))
+    assert main(["batch", "--config", str(path), "--set", "engine.replica=2"]) == 2
+    assert "unknown key 'engine.replica' (did you mean 'engine.replicas'?)" in capsys.readouterr().err
+    path = write_config(tmp_path, minimal(tmp_path, prompts={"path": str(tmp_path / "none.txt")}))
+    assert main(["batch", "--config", str(path), "--check"]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_build_model_delegates(tmp_path, monkeypatch):
+    from nnsight_ray import cli
+
+    calls = []
+    monkeypatch.setattr("nnsight_ray.models.main", lambda argv: calls.append(argv))
+    assert cli.main(["build-model", str(tmp_path / "m"), "--arch", "gpt2"]) == 0
+    assert calls == [[str(tmp_path / "m"), "--arch", "gpt2"]]
