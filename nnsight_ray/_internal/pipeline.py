@@ -304,8 +304,9 @@ class StageMap:
         num_stages: Pipeline size.
         owner: Provider -> owning stage, for every module location of the full
             tree plus ``{root}.logits`` / ``{root}.samples``.
-        modules: Module path -> (input owner, output owner); ``LOCAL`` output
-            owner marks a container that spans stages.
+        modules: Module path -> (input owner, output owner): different for a
+            container whose children span stages, ``LOCAL`` for a path no
+            stage really holds.
         later: Providers a later stage owns (counted once per step after the drain).
         names: Every provider, sorted: ``names[i]`` is code ``i`` on the wire.
         templates: Later provider -> this stage's sibling whose value has the
@@ -376,17 +377,23 @@ def build_stage_map(stage: int, trees: list[dict[str, bool]], root: str = "model
     """
     num_stages = len(trees)
     paths = sorted({path for tree in trees for path in tree})
-    real = {path: [s for s, tree in enumerate(trees) if tree.get(path)] for path in paths}
-
-    def descendants(path: str) -> list[str]:
-        prefix = path + "."
-        return [other for other in paths if other.startswith(prefix)]
+    # Each module's home, handed up to every enclosing module (one pass).
+    homes_of: dict[str, set] = {path: set() for path in paths}
+    for path in paths:
+        home = next((s for s, tree in enumerate(trees) if tree.get(path)), None)
+        if home is None:
+            continue
+        ancestor = path
+        while True:
+            if ancestor in homes_of:
+                homes_of[ancestor].add(home)
+            if "." not in ancestor:
+                break
+            ancestor = ancestor.rsplit(".", 1)[0]
 
     modules: dict[str, tuple[int, int]] = {}
     for path in paths:
-        homes = {real[d][0] for d in descendants(path) if real[d]}
-        if real[path]:
-            homes.add(real[path][0])
+        homes = homes_of[path]
         if not homes:
             modules[path] = (LOCAL, LOCAL)
         elif len(homes) == 1:
@@ -477,9 +484,6 @@ class StagePersistentObjects(dict):
 # ---------------------------------------------------------------------------
 # The recordings that travel between stages
 # ---------------------------------------------------------------------------
-
-RecordKey = tuple  # (mediator key, provider code, occurrence)
-
 
 @dataclass
 class StageMessage:
@@ -726,7 +730,7 @@ class StageInterleaver:
             self.catch_up()
         owner = stage.map.owner_of(provider)
         if owner == stage.map.stage or owner == LOCAL:
-            if owner != LOCAL and not stage.map.is_last:
+            if owner != LOCAL and not stage.map.is_last and _counted(self.taps, provider):
                 stage.busy = True
                 stage.order.append(stage.map.code(provider))
                 if provider in stage.map.template_sources and provider not in stage.shapes:
@@ -885,6 +889,12 @@ class StageInterleaver:
 
 
 _STAGE_CLASSES: dict[type, type] = {}
+_MODULE_LOCATIONS = ("input", "output", "skip")
+
+
+def _counted(taps: frozenset, provider: str) -> bool:
+    """Whether nnsight counts a visit to ``provider``: on a CUDA-graph engine only taps are."""
+    return not taps or provider in taps or provider.rsplit(".", 1)[-1] not in _MODULE_LOCATIONS
 
 
 # ---------------------------------------------------------------------------
@@ -940,6 +950,8 @@ class StageRunnerMixin:
         model = self.nnsight_model  # type: ignore[attr-defined]
         trees = _exchange_trees(module_tree(model))
         stage_map = build_stage_map(pp.rank_in_group, trees, root=model.path)
+        taps = model.interleaver.taps
+        stage_map.later = tuple(p for p in stage_map.later if _counted(taps, p))
         device = self.device  # type: ignore[attr-defined]
         state = StageState(map=stage_map, tp_size=get_tp_group().world_size, device=None if device.type == "cpu" else device)
         StageInterleaver.install(model.interleaver, state)
