@@ -146,6 +146,8 @@ class RayVLLM(LocalVLLM):
         placement_strategy, cpus_per_rank, gpus_per_rank, placement_timeout_s,
             placement_group, cpu_binding: see ``RankPlacement``.
         num_merge_actors: merge shards (requests are spread by id).
+        engine_actor_options: extra Ray ``.options()`` for the engine actor (e.g. a
+            custom resource that keeps it on a GPU node; see docs/clusters.md).
         detached: keep the deployment after this process exits, until
             ``shutdown()`` (from any process, after ``connect``).
         mode: ``"sync"`` or ``"async"`` (streaming traces).
@@ -165,6 +167,7 @@ class RayVLLM(LocalVLLM):
 
     def __init__(self, model: str, *, name: str | None = None, num_merge_actors: int = 1,
                  detached: bool = False, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 engine_actor_options: dict[str, Any] | None = None,
                  _handles: dict[str, Any] | None = None, **kwargs: Any) -> None:
         from ._internal.options import RAY_OPTION_NAMES, RankPlacement, connect_ray
 
@@ -179,6 +182,7 @@ class RayVLLM(LocalVLLM):
             "placement": RankPlacement(**placement_kwargs),
             "num_merge_actors": num_merge_actors,
             "detached": detached,
+            "engine_actor_options": engine_actor_options,
             "engine_kwargs": {**kwargs, "tensor_parallel_size": tensor_parallel_size,
                               "pipeline_parallel_size": pipeline_parallel_size},
             "handles": _handles,
@@ -219,6 +223,7 @@ class RayVLLM(LocalVLLM):
             d["handles"] = deploy.deploy(
                 d["name"], repo_id, d["engine_kwargs"], d["placement"],
                 num_merge_actors=d["num_merge_actors"], detached=d["detached"],
+                engine_actor_options=d["engine_actor_options"],
             )
         self.vllm_entrypoint = RemoteEngine(d["handles"])
         return meta_model

@@ -85,21 +85,27 @@ class MergeActor:
             await asyncio.sleep(ABANDON_AFTER_S / 3)
             self._sweep()
 
-    async def finish(self, group: str, index: int, request_id: str, output: Any, error: BaseException | None) -> None:
-        payloads: list[bytes | None] = []
+    async def finish(self, reports: list[tuple[str, int, str, Any, BaseException | None]]) -> None:
+        """Merge a batch of finished requests: one ``take_payloads`` per rank for all of them."""
+        request_ids = [rid for _, _, rid, _, _ in reports]
+        per_rank: list[list[bytes | None]] = []
+        failure = None
         try:
-            taken = await asyncio.gather(*(r.take_payloads.remote([request_id]) for r in self.ranks))
-            payloads = [t[0] for t in taken]
+            per_rank = await asyncio.gather(*(r.take_payloads.remote(request_ids) for r in self.ranks))
         except Exception as exception:  # a rank died between collect and take
-            error = error or EngineDeadError(f"could not take request {request_id}'s saves from a rank: {exception}")
-        self.bytes_merged += sum(len(p) for p in payloads if p)
-        state = self._group(group)
-        if error is not None:
-            state.error = state.error or error
-        else:
-            state.outputs[index] = merge_request(output, request_id, payloads)
-        state.finished = time.monotonic()  # last activity: see Group.expired
-        self._wake(group)
+            failure = EngineDeadError(f"could not take saves from a rank: {exception}")
+        now = time.monotonic()
+        for position, (group, index, request_id, output, error) in enumerate(reports):
+            payloads = [taken[position] for taken in per_rank]
+            self.bytes_merged += sum(len(p) for p in payloads if p)
+            state = self._group(group)
+            error = error or failure
+            if error is not None:
+                state.error = state.error or error
+            else:
+                state.outputs[index] = merge_request(output, request_id, payloads)
+            state.finished = now  # last activity: see Group.expired
+            self._wake(group)
 
     def _wake(self, group: str) -> None:
         event = self.waiters.get(group)
@@ -180,9 +186,12 @@ class EngineActor:
         logger.info("engine %s ready: %d ranks", self.spec["name"], len(names))
         return self.topology
 
-    def _notify(self, group: str, index: int, request_id: str, output: Any, error: BaseException | None) -> None:
-        merge = self.merges[merge_index(group, len(self.merges))]
-        merge.finish.remote(group, index, request_id, output, error)
+    def _notify(self, reports: list) -> None:
+        shards: dict[int, list] = {}
+        for report in reports:
+            shards.setdefault(merge_index(report[0], len(self.merges)), []).append(report)
+        for shard, batch in shards.items():
+            self.merges[shard].finish.remote(batch)
 
     def _dead_ranks(self) -> list[str]:
         """Dead rank actors, the first to die first, each with its node.
@@ -250,8 +259,7 @@ class EngineActor:
         try:
             self._require_core().submit(group, prompts, params, loras)
         except Exception as error:
-            for index in range(len(prompts)):
-                self._notify(group, index, f"{group}-{index}", None, error)
+            self._notify([(group, index, f"{group}-{index}", None, error) for index in range(len(prompts))])
 
     async def stream(self, group: str, prompt: Any, param: Any, lora: Any = None):
         async for output in self._require_core().stream(group, prompt, param, lora):
@@ -282,8 +290,14 @@ class EngineActor:
 
 
 def deploy(name: str, model: str, engine_kwargs: dict[str, Any], placement: RankPlacement,
-           num_merge_actors: int = 1, detached: bool = False, start_timeout_s: float = 600.0) -> dict[str, Any]:
-    """Create the merge and engine actors and wait for the engine to come up."""
+           num_merge_actors: int = 1, detached: bool = False, start_timeout_s: float = 600.0,
+           engine_actor_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Create the merge and engine actors and wait for the engine to come up.
+
+    ``engine_actor_options`` are extra ``.options()`` for the engine actor, e.g.
+    ``{"resources": {"gpu_node": 0.01}}`` to keep vLLM's engine core off a
+    CPU-only head node of a GPU cluster (docs/clusters.md).
+    """
     placement = placement.model_copy(update={"engine_name": name})
     lifetime = "detached" if detached else None
     merge_names = [f"{name}.merge{i}" for i in range(num_merge_actors)]
@@ -305,9 +319,10 @@ def deploy(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
     spec = {"name": name, "model": model, "engine_kwargs": engine_kwargs,
             "placement": placement.model_dump(exclude_none=True), "merge_names": merge_names,
             "detached": detached}
+    options = {"num_cpus": 0, "runtime_env": runtime_env, "max_concurrency": 10_000,
+               **(engine_actor_options or {})}
     engine = ray.remote(EngineActor).options(
-        name=f"{name}.engine", namespace=NAMESPACE, lifetime=lifetime, num_cpus=0,
-        runtime_env=runtime_env, max_concurrency=10_000,
+        name=f"{name}.engine", namespace=NAMESPACE, lifetime=lifetime, **options,
     ).remote(spec)
     try:
         ray.get(engine.start.remote(), timeout=start_timeout_s)

