@@ -61,7 +61,9 @@ runner pays one attribute test per step.
 
 from __future__ import annotations
 
+import io
 import logging
+import math
 import pickle
 import re
 from dataclasses import dataclass, field
@@ -93,8 +95,9 @@ __all__ = [
     "contains_ghost",
 ]
 
-#: The ``IntermediateTensors`` key the recordings travel under between stages.
+#: The ``IntermediateTensors`` keys the recordings travel under between stages.
 KEY = "nnsight_pp"
+KEY_DATA = "nnsight_pp.data"
 
 #: A location's owner when no single stage runs it (handled by every stage).
 LOCAL = -1
@@ -522,38 +525,105 @@ def _written() -> "_Written":
 WRITTEN = _Written()
 
 
-def encode_message(message: StageMessage, tp_size: int = 1, device: Any = None) -> torch.Tensor:
-    """Pickle ``message`` into a uint8 tensor vLLM sends like any other intermediate tensor.
+_ALIGN = 16
 
-    Tensors go to CPU first so the bytes load on any rank. The length is padded
-    so it is *not* a multiple of ``tp_size``: vLLM splits a divisible tensor
-    across the tensor-parallel ranks and all-gathers it on arrival, which would
-    splice the pieces of every rank's own copy.
+
+class _Packer(pickle.Pickler):
+    """Pickles a message with its tensors moved out into one flat byte buffer.
+
+    Pickling a tensor the ordinary way costs a few hundred microseconds each
+    (storage reduction); a decode step's recordings are a handful of one-row
+    tensors, so that cost would dominate. Each tensor is instead written as raw
+    bytes at an aligned offset of one ``uint8`` buffer on the tensors' own
+    device, and the pickle carries only ``(offset, dtype, shape)``.
     """
-    cpu = lambda t: t.detach().to("cpu")  # noqa: E731
-    values = {k: [apply(v, cpu, torch.Tensor) for v in vs] for k, vs in message.values.items()}
-    state = {"order": message.order, "values": values, "stopped": message.stopped}
-    try:
-        body = pickle.dumps(state, protocol=5)
-    except Exception:
-        for key, vs in values.items():
-            for i, value in enumerate(vs):
-                try:
-                    pickle.dumps(value, protocol=5)
-                except Exception as exc:
-                    vs[i] = _Unsendable(f"{type(exc).__name__}: {exc}")
-        body = pickle.dumps(state, protocol=5)
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, protocol=5)
+        self.chunks: list[torch.Tensor] = []
+        self.size = 0
+        self.device: Any = None
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor) or isinstance(obj, Ghost):
+            return None
+        flat = obj.detach().contiguous().reshape(-1).view(torch.uint8)
+        if self.device is None:
+            self.device = flat.device
+        flat = flat.to(self.device)
+        offset = self.size
+        self.chunks.append(flat)
+        pad = (-flat.numel()) % _ALIGN
+        if pad:
+            self.chunks.append(torch.zeros(pad, dtype=torch.uint8, device=flat.device))
+        self.size += flat.numel() + pad
+        return ("t", offset, obj.dtype, tuple(obj.shape))
+
+
+class _Unpacker(pickle.Unpickler):
+    def __init__(self, file: Any, data: Optional[torch.Tensor]) -> None:
+        super().__init__(file)
+        self.data = data
+
+    def persistent_load(self, pid: Any) -> Any:
+        _, offset, dtype, shape = pid
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return self.data[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def _pad_bytes(body: bytes, tp_size: int) -> torch.Tensor:
+    """``body`` with its length in front, padded so the length is not a multiple of ``tp_size``.
+
+    vLLM splits a tensor whose size divides the tensor-parallel size across
+    those ranks and all-gathers it on arrival, which would splice the pieces of
+    every rank's own copy.
+    """
     size = 8 + len(body)
     pad = (1 - size) % tp_size if tp_size > 1 else 0
-    data = bytearray(len(body).to_bytes(8, "little")) + body + bytes(pad)
-    tensor = torch.frombuffer(data, dtype=torch.uint8)
-    return tensor if device is None or str(device) == "cpu" else tensor.to(device)
+    return torch.frombuffer(bytearray(len(body).to_bytes(8, "little")) + body + bytes(pad), dtype=torch.uint8)
 
 
-def decode_message(tensor: torch.Tensor) -> StageMessage:
-    data = tensor.detach().to("cpu").numpy().tobytes()
-    size = int.from_bytes(data[:8], "little")
-    state = pickle.loads(data[8 : 8 + size])
+def encode_message(message: StageMessage, tp_size: int = 1) -> dict[str, torch.Tensor]:
+    """``message`` as the intermediate tensors vLLM sends between stages.
+
+    ``KEY`` holds the pickled structure (a CPU ``uint8`` tensor, which vLLM
+    sends over its CPU group) and ``KEY + ".data"`` the recorded tensors' bytes,
+    on their own device. A recorded value that does not pickle travels as a
+    marker that fails the block that needs it, not the engine.
+    """
+    state = {"order": message.order, "values": message.values, "stopped": message.stopped}
+    buffer = io.BytesIO()
+    packer = _Packer(buffer)
+    try:
+        packer.dump(state)
+    except Exception:
+        values = {key: list(entries) for key, entries in message.values.items()}
+        for entries in values.values():
+            for i, value in enumerate(entries):
+                try:
+                    _Packer(io.BytesIO()).dump(value)
+                except Exception as exc:
+                    entries[i] = _Unsendable(f"{type(exc).__name__}: {exc}")
+        state["values"] = values
+        buffer = io.BytesIO()
+        packer = _Packer(buffer)
+        packer.dump(state)
+    packed = {KEY: _pad_bytes(buffer.getvalue(), tp_size)}
+    if packer.chunks:
+        data = torch.cat(packer.chunks)
+        if tp_size > 1 and data.numel() % tp_size == 0:
+            data = torch.cat([data, data.new_zeros(1)])
+        packed[KEY_DATA] = data
+    return packed
+
+
+def decode_message(meta: torch.Tensor, data: Optional[torch.Tensor] = None) -> StageMessage:
+    """The message `encode_message` packed; recorded tensors are views of ``data``."""
+    raw = meta.detach().to("cpu").numpy().tobytes()
+    size = int.from_bytes(raw[:8], "little")
+    if data is not None and data.is_cpu:
+        data = data.clone()  # a CPU receive may hand back a view of a reused shared-memory buffer
+    state = _Unpacker(io.BytesIO(raw[8 : 8 + size]), data).load()
     return StageMessage(order=state["order"], values=state["values"], stopped=state["stopped"])
 
 
@@ -639,8 +709,6 @@ class StageState:
 
     map: StageMap
     tp_size: int = 1
-    #: Where served values live (None: CPU, where recordings already are).
-    device: Any = None
     #: The previous stage's message for this step, until the catch-up consumes it.
     inbox: Optional[StageMessage] = None
     caught_up: bool = True
@@ -795,8 +863,6 @@ class StageInterleaver:
                     mediator.pending = _throw(mediator, self._missing(mediator, provider, occurrence, entry, read))
                 elif read:
                     taken += 1
-                    if stage.device is not None:
-                        entry = apply(entry, lambda t: t.to(stage.device), torch.Tensor)
                     mediator._pp_last = provider
                     mediator.pending = mediator.switch(entry)
                 else:  # the owning stage applied the write; nothing to do here
@@ -952,8 +1018,7 @@ class StageRunnerMixin:
         stage_map = build_stage_map(pp.rank_in_group, trees, root=model.path)
         taps = model.interleaver.taps
         stage_map.later = tuple(p for p in stage_map.later if _counted(taps, p))
-        device = self.device  # type: ignore[attr-defined]
-        state = StageState(map=stage_map, tp_size=get_tp_group().world_size, device=None if device.type == "cpu" else device)
+        state = StageState(map=stage_map, tp_size=get_tp_group().world_size)
         StageInterleaver.install(model.interleaver, state)
         objects = StagePersistentObjects(self.nnsight_persistent_objects)  # type: ignore[attr-defined]
         for path in stage_map.missing:
@@ -1064,9 +1129,10 @@ class StageForwardMixin:
             return super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
         message = None
         if intermediate_tensors is not None:
-            packed = intermediate_tensors.tensors.pop(KEY, None)
+            tensors = intermediate_tensors.tensors
+            packed, data = tensors.pop(KEY, None), tensors.pop(KEY_DATA, None)
             if packed is not None:
-                message = decode_message(packed)
+                message = decode_message(packed, data)
         stage.begin(message)
         output = super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
         interleaver = self.nnsight_model.interleaver  # type: ignore[attr-defined]
@@ -1077,5 +1143,5 @@ class StageForwardMixin:
         interleaver.drain()
         interleaver.settle()
         if stage.busy and output is not None and hasattr(output, "tensors"):
-            output.tensors[KEY] = encode_message(stage.outgoing(), stage.tp_size, getattr(self, "device", None))
+            output.tensors.update(encode_message(stage.outgoing(), stage.tp_size))
         return output

@@ -243,19 +243,29 @@ def test_message_roundtrip_and_tp_padding(tp_size):
         stopped={("req-2", "reg"): "on stage 0: GhostStop: ..."},
     )
     packed = encode_message(message, tp_size)
-    assert packed.dtype == torch.uint8
+    assert set(packed) == {pp.KEY, pp.KEY_DATA}
+    assert all(t.dtype == torch.uint8 for t in packed.values())
     if tp_size > 1:
         # vLLM would split and all-gather a divisible tensor across the TP group.
-        assert packed.numel() % tp_size != 0
-    back = decode_message(packed)
+        assert all(t.numel() % tp_size != 0 for t in packed.values())
+    back = decode_message(packed[pp.KEY], packed.get(pp.KEY_DATA))
     assert back.order == message.order and back.stopped == message.stopped
     (value, none), written = back.values[(("req-1", ""), 3, 0)]
     assert torch.equal(value, torch.arange(6.0).view(2, 3)) and none is None and written is WRITTEN
 
 
+def test_message_tensors_of_any_dtype_and_shape():
+    values = [torch.arange(5, dtype=torch.int64), torch.randn(2, 3).to(torch.bfloat16), torch.tensor(True), torch.empty(0, 4), torch.randn(3, 4)[:, 1]]
+    packed = encode_message(StageMessage(values={(("r", ""), 0, 0): values}))
+    back = decode_message(packed[pp.KEY], packed[pp.KEY_DATA]).values[(("r", ""), 0, 0)]
+    for got, want in zip(back, values):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
 def test_unpicklable_recording_becomes_an_error_not_a_crash():
     message = StageMessage(values={(("r", ""), 0, 0): [lambda: 1, torch.ones(1)]})
-    back = decode_message(encode_message(message))
+    packed = encode_message(message)
+    back = decode_message(packed[pp.KEY], packed.get(pp.KEY_DATA))
     bad, good = back.values[(("r", ""), 0, 0)]
     assert isinstance(bad, pp._Unsendable) and torch.equal(good, torch.ones(1))
 
@@ -343,7 +353,8 @@ def test_two_stages_equal_one_device(trees):
     assert torch.equal(m0.lcls["a"], expected["a"])
     assert sent is not None and [first_state.map.name(c) for c in sent.order] == [L(0), L(1)]
     # Over the wire, as vLLM would carry it.
-    received = decode_message(encode_message(sent))
+    packed = encode_message(sent)
+    received = decode_message(packed[pp.KEY], packed.get(pp.KEY_DATA))
     _run_stage(second, second_state, m1, received, [(L(2), outputs[2]), (L(3), tuple(t.clone() for t in outputs[3]))])
     for name, value in expected.items():
         assert torch.equal(m1.lcls[name], value), name
