@@ -421,3 +421,29 @@ def test_swapping_in_a_ghost_is_refused(trees):
     _run_stage(first, state, mediator, None, [(L(0), outputs[0]), (L(1), outputs[1])])
     assert isinstance(mediator.exception, PipelineDependencyError)
     assert "written to model.model.layers.0.output" in str(mediator.exception)
+
+
+# --- collection ----------------------------------------------------------------
+
+
+def test_names_holding_a_ghost_are_left_to_the_stage_that_has_the_value():
+    real = torch.ones(2)
+    saves = {"a": real, "b": ghost(), "c": [real, ghost()], "d": {"x": real}}
+    assert pp._ghost_free(saves) == {"a": real, "d": {"x": real}}
+
+
+def test_errors_from_copies_that_saw_ghosts_are_not_reported():
+    from types import SimpleNamespace
+
+    plain = {"type_name": "RuntimeError", "message": "shape mismatch"}
+    dependency = {"type_name": "PipelineDependencyError", "message": "edit of ..."}
+
+    def request(error, ghosted, own_error=None):
+        mediator = SimpleNamespace(nnsight_error=error, _pp_ghosted=ghosted)
+        return SimpleNamespace(error=own_error, mediator=mediator)
+
+    assert pp._reported_error(request(plain, ghosted=False)) is plain
+    assert pp._reported_error(request(plain, ghosted=True)) is None
+    assert pp._reported_error(request(dependency, ghosted=True)) is dependency
+    refused = {"type_name": "ValueError", "message": "edits=['x'] ..."}
+    assert pp._reported_error(request(plain, ghosted=True, own_error=refused)) is refused
