@@ -69,7 +69,8 @@ def local_llama(model_dir):
     return LocalVLLM(model_dir, dispatch=True, **ENGINE_KWARGS)
 
 
-def _ray_engine(request, model_dir, name, **layout):
+def ray_engine(request, model_dir, name, **layout):
+    """A RayVLLM deployment on the session cluster with the test engine settings."""
     from nnsight_ray import RayVLLM
 
     request.getfixturevalue("ray_cluster")
@@ -79,30 +80,15 @@ def _ray_engine(request, model_dir, name, **layout):
 
 @pytest.fixture(scope="session")
 def ray_tp1(request, model_dir):
-    model = _ray_engine(request, model_dir, "tp1")
+    model = ray_engine(request, model_dir, "tp1")
     yield model
     model.shutdown()
 
 
 @pytest.fixture(scope="session")
 def ray_tp2(request, model_dir):
-    model = _ray_engine(request, model_dir, "tp2", tensor_parallel_size=2, placement_strategy="STRICT_SPREAD")
-    yield model
-    model.shutdown()
-
-
-@pytest.fixture(scope="session")
-def ray_pp2(request, model_dir):
-    model = _ray_engine(request, model_dir, "pp2", pipeline_parallel_size=2, placement_strategy="STRICT_SPREAD")
-    yield model
-    model.shutdown()
-
-
-@pytest.fixture(scope="session")
-def ray_tp2pp2(request, model_dir):
-    model = _ray_engine(
-        request, model_dir, "tp2pp2", tensor_parallel_size=2, pipeline_parallel_size=2, placement_strategy="SPREAD"
-    )
+    """TP=2 with the two ranks on two different raylets (STRICT_SPREAD)."""
+    model = ray_engine(request, model_dir, "tp2", tensor_parallel_size=2, placement_strategy="STRICT_SPREAD")
     yield model
     model.shutdown()
 

@@ -41,7 +41,9 @@ LONG = "The quick brown fox jumps over the lazy dog."
 def _engine(path: str):
     from nnsight_ray.local import LocalVLLM
 
-    return LocalVLLM(path, dispatch=True, dtype="float32", max_model_len=256)
+    from conftest import ENGINE_KWARGS
+
+    return LocalVLLM(path, dispatch=True, **ENGINE_KWARGS)
 
 
 def _shutdown(model) -> None:
@@ -52,10 +54,9 @@ def _shutdown(model) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama(model_dir):
-    model = _engine(model_dir)
-    yield model
-    _shutdown(model)
+def llama(local_llama):
+    """The session's single-device reference engine (one engine start fewer)."""
+    return local_llama
 
 
 @pytest.fixture(scope="module")

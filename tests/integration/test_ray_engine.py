@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from conftest import ENGINE_KWARGS, assert_close, request_counts
+from conftest import ENGINE_KWARGS, assert_close, ray_engine, request_counts
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +33,26 @@ def residual_trace(model, prompt: str, max_tokens: int = 3) -> dict:
         logits = model.logits.clone().save()
         result = tracer.result.save()
     return {"layers": layers, "logits": logits, "tokens": list(result.outputs[0].token_ids)}
+
+
+LAYOUTS = {
+    "tp2": dict(tensor_parallel_size=2, placement_strategy="STRICT_SPREAD"),
+    "pp2": dict(pipeline_parallel_size=2, placement_strategy="STRICT_SPREAD"),
+    "tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2, placement_strategy="SPREAD"),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout(request, model_dir):
+    """One multi-rank layout at a time (pytest tears each down before the next).
+
+    TP=2 is the session's engine (the batch tests use it too)."""
+    if request.param == "tp2":
+        yield request.param, request.getfixturevalue("ray_tp2")
+        return
+    model = ray_engine(request, model_dir, request.param, **LAYOUTS[request.param])
+    yield request.param, model
+    model.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -53,41 +73,42 @@ def check_against(reference, model) -> None:
 # -- rank actors: placement, identities, layouts ------------------------------
 
 
-def test_topology_names_ranks_and_spreads_nodes(ray_tp2):
-    topology = ray_tp2.topology()
-    assert [(t["pp_rank"], t["tp_rank"]) for t in topology] == [(0, 0), (0, 1)]
-    assert [t["actor_name"] for t in topology] == ["tp2.pp0.tp0", "tp2.pp0.tp1"]
-    assert len({t["node_id"] for t in topology}) == 2, "STRICT_SPREAD put two ranks on one node"
+def test_topology_names_ranks_and_spreads_nodes(layout):
+    name, model = layout
+    tp, pp = LAYOUTS[name].get("tensor_parallel_size", 1), LAYOUTS[name].get("pipeline_parallel_size", 1)
+    topology = model.topology()
+    assert [(t["pp_rank"], t["tp_rank"]) for t in topology] == [(p, t) for p in range(pp) for t in range(tp)]
+    assert [t["actor_name"] for t in topology] == [f"{name}.pp{p}.tp{t}" for p in range(pp) for t in range(tp)]
+    nodes = [t["node_id"] for t in topology]
+    if LAYOUTS[name]["placement_strategy"] == "STRICT_SPREAD":
+        assert len(set(nodes)) == len(nodes), "STRICT_SPREAD put two ranks on one node"
+    else:
+        assert len(set(nodes)) >= 2
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    assert {t["node_id"] for t in topology} <= alive
+    assert set(nodes) <= alive
 
 
-def test_local_vllm_matches_transformers_sanity(local_llama, reference):
-    # The reference itself produces greedy tokens from its own logits.
+def test_local_vllm_reference_is_self_consistent(reference):
     want = reference[PROMPTS[0]]
     assert int(want["logits"].argmax(-1)[-1]) == want["tokens"][0]
 
 
-@pytest.mark.parametrize("engine", ["ray_tp1", "ray_tp2"])
-def test_tensor_parallel_matches_single_device(request, engine, reference):
-    check_against(reference, request.getfixturevalue(engine))
+def test_single_rank_ray_engine_matches_local(ray_tp1, reference):
+    check_against(reference, ray_tp1)
 
 
-@pytest.mark.parametrize("engine", ["ray_pp2", "ray_tp2pp2"])
-def test_pipeline_parallel_matches_single_device(request, engine, reference):
-    model = request.getfixturevalue(engine)
-    nodes = {t["node_id"] for t in model.topology()}
-    assert len(nodes) >= 2
-    check_against(reference, model)
+def test_layout_matches_single_device(layout, reference):
+    check_against(reference, layout[1])
 
 
-def test_registered_block_reads_first_and_last_stage(ray_pp2, local_llama):
+def test_registered_block_reads_first_and_last_stage(layout, local_llama):
+    _, model = layout
     prompts = ["Hello", "World!"]
-    with ray_pp2.edit() as (tracer, edit):
-        first = ray_pp2.model.layers[0].output[0].clone().save()
-        last = ray_pp2.model.layers[3].output[0].clone().save()
+    with model.edit() as (tracer, edit):
+        first = model.model.layers[0].output[0].clone().save()
+        last = model.model.layers[3].output[0].clone().save()
     try:
-        outputs = ray_pp2.generate(prompts, max_tokens=2, temperature=0.0)
+        outputs = model.generate(prompts, max_tokens=2, temperature=0.0)
     finally:
         edit.clear()
     for prompt, output in zip(prompts, outputs):
@@ -96,9 +117,10 @@ def test_registered_block_reads_first_and_last_stage(ray_pp2, local_llama):
             want_last = local_llama.model.layers[3].output[0].clone().save()
         assert_close(output.saves["first"], want_first)
         assert_close(output.saves["last"], want_last)
-    after = ray_pp2.generate(prompts, max_tokens=1, temperature=0.0)
+    after = model.generate(prompts, max_tokens=1, temperature=0.0)
     assert all(not o.saves for o in after)
-    assert request_counts(ray_pp2) == [0, 0]
+    counts = request_counts(model)
+    assert counts == [0] * len(counts)
 
 
 def test_unsatisfiable_placement_fails_fast_with_what_was_asked(ray_cluster, model_dir):
