@@ -1039,11 +1039,16 @@ class StageRunnerMixin:
         super()._update_states(scheduler_output)  # type: ignore[misc]
         if self.nnsight_stage is None:
             return
-        for request in self.nnsight_requests.requests.values():  # type: ignore[attr-defined]
+        requests = self.nnsight_requests.requests  # type: ignore[attr-defined]
+        for request in requests.values():
             if request.mediator is not None:
                 _adopt(request.mediator, (request.id, ""))
             for registration_id, copy in request.copies.items():
                 _adopt(copy, (request.id, registration_id))
+        ended = self.nnsight_stage.ended
+        if ended:  # requests dropped without a collect (aborted) leave nothing behind
+            for key in [key for key in ended if key[0] not in requests]:
+                del ended[key]
 
     def collect_nnsight(
         self,

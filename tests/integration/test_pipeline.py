@@ -6,8 +6,9 @@ greedy tokens. The tiny Llama has 4 layers, so at ``pipeline_parallel_size=2``
 layers 0-1 (and the embedding) run on stage 0 and layers 2-3, the final norm and
 the logits on stage 1.
 
-Two pipeline layouts, one at a time (a parametrized module fixture, so the
-first is shut down before the second starts): PP=2, and TP=2 x PP=2.
+Three pipeline layouts, one at a time (a parametrized module fixture, so each
+is shut down before the next starts): PP=2, TP=2 x PP=2, and PP=3, whose middle
+stage both receives recordings and sends them on (layers 0 | 1-2 | 3).
 """
 
 from __future__ import annotations
@@ -31,13 +32,18 @@ PROMPT = "Hello world"
 N_LAYERS = 4
 
 
-@pytest.fixture(scope="module", params=["pp2", "tp2pp2"])
+LAYOUTS = {
+    "pp2": {"pipeline_parallel_size": 2},
+    "tp2pp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+    "pp3": {"pipeline_parallel_size": 3},
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def pp(request, ray_cluster, model_dir):
     from nnsight_ray import LocalVLLM
 
-    layout = {"pipeline_parallel_size": 2}
-    if request.param == "tp2pp2":
-        layout["tensor_parallel_size"] = 2
+    layout = LAYOUTS[request.param]
     model = LocalVLLM(
         model_dir,
         dispatch=True,
@@ -326,5 +332,5 @@ def test_control_flow_on_a_later_stages_value_fails_clearly(pp, ref):
     with pytest.raises(Exception) as caught:
         run(pp)
     text = str(caught.value)
-    assert "PipelineDependencyError" in text and "model.model.layers.1.output" in text
-    assert "step 1" in text and "stage 0" in text
+    assert "PipelineDependencyError" in text and "needs the value of model.model.layers.1.output" in text
+    assert "at step 1" in text and "GhostStop: bool() of model.model.layers.3.output" in text
