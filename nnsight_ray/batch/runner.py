@@ -357,8 +357,10 @@ def _error_info(type_name: str, message: str, traceback: str | None = None) -> d
     elif match and match.group(1) == type_name:
         head = match.group(2)
     info = {"type": type_name, "message": head.strip()}
-    if traceback or rest:
-        info["traceback"] = (traceback or rest).rstrip()
+    # The intervention's own traceback (inside nnsight's message) points at the
+    # user's line; the deferred one only at where it was re-raised.
+    if rest or traceback:
+        info["traceback"] = (rest or traceback).rstrip()
     return info
 
 

@@ -320,6 +320,8 @@ def test_nnsight_error_messages_are_unwrapped():
     info = _error_info("RuntimeError", "ValueError: seven tokens\n\nIntervention traceback:\n  File x, line 3")
     assert info == {"type": "ValueError", "message": "seven tokens", "traceback": "  File x, line 3"}
     assert _error_info("ValueError", "ValueError: boom") == {"type": "ValueError", "message": "boom"}
+    wrapped = _error_info("RuntimeError", "KeyError: 'k'\n\nIntervention traceback:\n  user line", "  merge line")
+    assert wrapped["traceback"] == "  user line" and wrapped["type"] == "KeyError"
     assert _error_info("ValueError", "prompt too long")["message"] == "prompt too long"
 
 

@@ -1,0 +1,465 @@
+"""Batch runs end to end, on the session's Ray cluster and engines, checked against LocalVLLM.
+
+- values in the shards equal ``LocalVLLM`` traces of the same prompts (TP=2 over
+  two Ray nodes, and through ``ray job submit`` on a ``ray start --head``
+  cluster this module starts and stops itself);
+- two replicas give the same rows as one;
+- a failing intervention is one prompt's error, the run goes on;
+- an engine dying under the run: its traces are retried elsewhere or its
+  shards reported, never dropped;
+- a run killed midway resumes with no duplicates and no gaps;
+- bad inputs fail before any engine starts.
+
+Engines are the session's (``ray_tp1``, ``ray_tp2``), handed to the runner or
+attached by name (``--connect``), except in the ``ray job submit`` test, whose
+job starts its own.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import ENGINE_KWARGS, assert_close
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = 4
+PROMPTS = ["Hello, world!", "The capital of France is", "1 2 3 4 5", "Hi", "abc def ghi jkl",
+           "Ray and vLLM", "x", "A longer prompt, with punctuation; and digits 0123456789.",
+           "seven!!", "Tensor parallel", "ok ok ok"]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+_REFERENCES: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def reference(local, prompt: str) -> dict[str, torch.Tensor]:
+    """Every layer's residual stream (all tokens) and the logits, from nnsight's in-process engine."""
+    if prompt not in _REFERENCES:
+        import nnsight
+
+        with local.trace(prompt, temperature=0.0, max_tokens=1):
+            values = nnsight.save([])
+            for i in range(LAYERS):
+                out = local.model.layers[i].output
+                values.append((out[0] + out[1]).clone())
+            logits = local.logits.clone().save()
+        _REFERENCES[prompt] = {**{f"model.layers.{i}.output": values[i] for i in range(LAYERS)},
+                               "logits": logits[-1]}
+    return _REFERENCES[prompt]
+
+
+def write_prompts(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    return path
+
+
+def make_config(tmp_path: Path, model_dir: str, prompts: list[str], name: str = "out", **sections) -> dict:
+    data = {
+        "model": {"path": model_dir},
+        "engine": {"engine_kwargs": dict(ENGINE_KWARGS)},
+        "prompts": {"path": str(write_prompts(tmp_path / f"{name}-prompts.jsonl", prompts))},
+        # Listed out of model order on purpose: the runner reads them in execution order.
+        "saves": [{"location": "logits"}, {"location": "model.layers.3.output"},
+                  {"location": "model.layers.1.output", "tokens": "all"}, {"location": "model.layers.0.output"},
+                  {"location": "model.layers.2.output"}],
+        "output": {"dir": str(tmp_path / name), "shard_size": 4},
+        "runner": {"max_in_flight": 6, "prompts_per_trace": 3, "progress_interval_s": 0.1},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) and key != "saves" else value
+    return data
+
+
+def run(config_dict: dict, **kwargs):
+    from nnsight_ray.batch.config import validate
+    from nnsight_ray.batch.runner import run_batch
+
+    stream = io.StringIO()
+    result = run_batch(validate(config_dict), stream=stream, interactive=False, **kwargs)
+    return result, stream.getvalue()
+
+
+def rows(folder: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    out = []
+    for path in sorted(folder.glob("shard-*.parquet")):
+        out += pq.read_table(path).to_pylist()
+    return out
+
+
+def value(row: dict, name: str) -> torch.Tensor:
+    return torch.tensor(row[name], dtype=torch.float32).reshape(row[name + ".shape"])
+
+
+def check_against_local(local, row: dict, saves: list[dict]) -> None:
+    want = reference(local, row["prompt"])
+    for save in saves:
+        name = save["location"]
+        expected = want[name] if save.get("tokens") == "all" or name == "logits" else want[name][-1]
+        assert_close(value(row, name), expected)
+
+
+# --------------------------------------------------------------------------- values
+
+
+def test_shards_equal_local_traces_at_tp2(ray_tp2, local_llama, model_dir, tmp_path):
+    config = make_config(tmp_path, model_dir, PROMPTS)
+    result, log = run(config, engines=[ray_tp2])
+    assert result.complete and result.prompts_run == len(PROMPTS) and result.errors == 0
+    assert result.shards_written == 3 and "prompts/s" in log
+
+    got = rows(tmp_path / "out")
+    assert [r["id"] for r in got] == [f"q{i}" for i in range(len(PROMPTS))]
+    for row in got:
+        assert row["error"] is None
+        check_against_local(local_llama, row, config["saves"])
+    assert value(got[0], "model.layers.1.output").shape == (len("Hello, world!"), 128)
+    assert value(got[0], "logits").shape == (99,)
+
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["counts"]["prompts_done"] == len(PROMPTS)
+    assert [s["ids"] for s in manifest["shards"]] == [[f"q{i}" for i in range(s, min(s + 4, 11))] for s in (0, 4, 8)]
+    assert {"nnsight", "ray", "torch", "pyarrow"} <= set(manifest["versions"])
+    (replica,) = manifest["runs"][-1]["replicas"]
+    assert replica["name"] == "tp2" and len({t["node_id"] for t in replica["topology"]}) == 2
+    assert (tmp_path / "out" / "errors.jsonl").read_text() == ""
+
+    again, _ = run(config, engines=[ray_tp2])
+    assert again.prompts_run == 0 and again.shards_skipped == 3 and again.complete
+
+
+def test_two_replicas_give_the_same_outputs_as_one(ray_tp1, ray_tp2, model_dir, tmp_path):
+    prompts = [f"prompt {i}: " + "abcdefgh"[: i % 8] for i in range(24)]
+    one = make_config(tmp_path, model_dir, prompts, name="one", runner={"max_in_flight": 4, "prompts_per_trace": 2})
+    two = make_config(tmp_path, model_dir, prompts, name="two", runner={"max_in_flight": 4, "prompts_per_trace": 2})
+    run(one, engines=[ray_tp1])
+    result, _ = run(two, engines=[ray_tp1, ray_tp2])
+    assert result.complete
+    a, b = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert [r["id"] for r in a] == [r["id"] for r in b] == [f"q{i}" for i in range(24)]
+    for x, y in zip(a, b):
+        for save in one["saves"]:
+            assert_close(value(y, save["location"]), value(x, save["location"]))
+    served = [r["prompts_served"] for r in json.loads((tmp_path / "two" / "manifest.json").read_text())
+              ["runs"][-1]["replicas"]]
+    assert len(served) == 2 and all(n > 0 for n in served) and sum(served) == 24
+
+
+def test_failing_interventions_are_recorded_and_the_run_goes_on(ray_tp1, local_llama, model_dir, tmp_path):
+    intervention = tmp_path / "iv.py"
+    intervention.write_text(
+        "import torch\n\n"
+        "def intervene(model, tracer):\n"
+        "    hidden = model.model.layers[2].output[0]\n"
+        "    if hidden.shape[0] == 7:\n"
+        "        raise ValueError(f'seven tokens: {hidden.shape[0]}')\n"
+        "    return {'h2': hidden[-1], 'top': model.logits[-1].argmax()}\n"
+    )
+    prompts = ["Hello, world!", "seven!!", "1 2 3 4 5", "Hi", "7 chars", "ok", "x" * 300]
+    config = make_config(tmp_path, model_dir, prompts, saves=None, intervention=str(intervention))
+    result, _ = run(config, engines=[ray_tp1])
+    assert result.complete and result.errors == 3
+
+    errors = {e["id"]: e for e in map(json.loads, (tmp_path / "out" / "errors.jsonl").read_text().splitlines())}
+    assert set(errors) == {"q1", "q4", "q6"}
+    assert errors["q1"]["type"] == "ValueError" and errors["q1"]["message"] == "seven tokens: 7"
+    assert "seven tokens" in errors["q1"]["traceback"] or "intervene" in errors["q1"]["traceback"]
+    assert "maximum context length" in errors["q6"]["message"]
+    for row in rows(tmp_path / "out"):
+        if row["id"] in errors:
+            assert row["error"].startswith(errors[row["id"]]["type"]) and row["h2"] is None
+            continue
+        want = reference(local_llama, row["prompt"])
+        # layers[2].output[0] is the layer's hidden part (not the residual sum): compare via its own trace.
+        with local_llama.trace(row["prompt"], temperature=0.0, max_tokens=1):
+            h2 = local_llama.model.layers[2].output[0][-1].clone().save()
+        assert_close(value(row, "h2"), h2)
+        assert value(row, "top").item() == want["logits"].argmax().item()
+
+
+# --------------------------------------------------------------------------- engine failures
+
+
+class _DeadEngine:
+    """An engine whose every trace comes back as a dead actor's: what a crashed deployment returns."""
+
+    name = "doomed"
+
+    def topology(self):
+        return []
+
+
+@pytest.fixture
+def doomed_refs(monkeypatch):
+    import ray
+
+    from nnsight_ray.batch import runner
+
+    @ray.remote(num_cpus=0)
+    class Victim:
+        def wait(self):
+            time.sleep(3600)
+
+    real = runner.submit_trace
+    submitted = []
+
+    def submit(model, texts, fn, sampling):
+        if isinstance(model, _DeadEngine):
+            victim = Victim.remote()
+            ref = victim.wait.remote()
+            ray.kill(victim)
+            submitted.append(len(texts))
+            return ref
+        return real(model, texts, fn, sampling)
+
+    monkeypatch.setattr(runner, "submit_trace", submit)
+    return submitted
+
+
+def test_a_dead_engines_traces_are_retried_on_the_other_replica(doomed_refs, ray_tp1, local_llama, model_dir,
+                                                                 tmp_path):
+    config = make_config(tmp_path, model_dir, PROMPTS)
+    result, _ = run(config, engines=[_DeadEngine(), ray_tp1])
+    assert result.complete and doomed_refs, "the dead replica took work, and the run still finished"
+    got = rows(tmp_path / "out")
+    assert [r["id"] for r in got] == [f"q{i}" for i in range(len(PROMPTS))]
+    for row in got:
+        check_against_local(local_llama, row, config["saves"])
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    dead, alive = manifest["runs"][-1]["replicas"]
+    assert not dead["alive"] and dead["prompts_served"] == 0 and alive["prompts_served"] == len(PROMPTS)
+    assert max(s["attempts"] for s in manifest["shards"]) == 2
+
+
+def test_with_every_engine_dead_the_run_stops_and_a_rerun_finishes(doomed_refs, ray_tp1, model_dir, tmp_path):
+    from nnsight_ray.batch.errors import BatchRunError
+
+    config = make_config(tmp_path, model_dir, PROMPTS)
+    with pytest.raises(BatchRunError, match="every engine replica failed") as error:
+        run(config, engines=[_DeadEngine()])
+    result = error.value.result
+    assert not result.complete and sorted(result.failed_shards) == [0, 1, 2]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["status"] == "incomplete" and manifest["pending_shards"] == [0, 1, 2]
+    assert not list((tmp_path / "out").glob("shard-*.parquet"))
+
+    result, _ = run(config, engines=[ray_tp1])
+    assert result.complete and [r["id"] for r in rows(tmp_path / "out")] == [f"q{i}" for i in range(len(PROMPTS))]
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def test_resume_after_a_killed_run_has_no_duplicates_and_no_gaps(ray_cluster, ray_tp1, local_llama, model_dir,
+                                                                 tmp_path):
+    prompts = [f"resume {i} " + "xyz"[: i % 3] for i in range(80)]
+    # One prompt at a time, eight tokens each: slow enough to kill midway.
+    config = make_config(tmp_path, model_dir, prompts, output={"dir": str(tmp_path / "out"), "shard_size": 8},
+                         runner={"max_in_flight": 1, "prompts_per_trace": 1, "progress_interval_s": 1},
+                         sampling={"max_tokens": 8})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "nnsight_ray.batch", "--config", str(path), "--address", ray_cluster.address,
+               "--connect", "tp1"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = tmp_path / "out"
+    first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while len(list(out.glob("shard-*.parquet"))) < 2:
+        assert first.poll() is None, first.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "no shard written in 240 s"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=60)
+    kept = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("shard-*.parquet")}
+    assert 2 <= len(kept) < 10, f"kill the run midway: {len(kept)} of 10 shards were written"
+
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"{8 * len(kept)} already done" in second.stdout
+
+    for name, stamp in kept.items():
+        p = out / name
+        assert (p.stat().st_ino, p.stat().st_mtime_ns) == stamp, f"{name} was rewritten"
+    got = rows(out)
+    ids = [r["id"] for r in got]
+    assert ids == [f"q{i}" for i in range(80)], "every prompt once, in order"
+    assert not list(out.glob("*.tmp-*"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and [r["status"] for r in manifest["runs"]] == ["running", "complete"]
+    for row in got[::9]:
+        check_against_local(local_llama, row, config["saves"])
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+@pytest.fixture
+def no_engines(monkeypatch):
+    from nnsight_ray._internal import deploy
+    from nnsight_ray.batch import runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(runner, "_start_replicas", refuse)
+    monkeypatch.setattr(deploy, "deploy", refuse)
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"saves": [{"location": "model.layers.10.output"}]},
+         "saves.0.location 'model.layers.10.output': 'model.layers' has no submodule '10' (its children: 0, 1, 2, 3)"),
+        ({"saves": [{"location": "transformer.h.0.output"}]}, "the model has no submodule 'transformer'"),
+        ({"prompts": {"path": "/nonexistent/prompts.jsonl"}}, "prompts.path '/nonexistent/prompts.jsonl': no such file"),
+        ({"engine": {"engine_kwargs": {"max_model_lenght": 256}}},
+         "unknown vLLM engine argument(s) 'max_model_lenght' (did you mean 'max_model_len'?)"),
+        ({"model": {"path": "/nonexistent/model"}}, "model.path '/nonexistent/model': no such folder"),
+    ],
+)
+def test_bad_inputs_fail_before_any_engine_starts(no_engines, model_dir, tmp_path, change, needle):
+    from nnsight_ray.batch.errors import BatchConfigError
+
+    config = make_config(tmp_path, model_dir, PROMPTS)
+    config.update(change)
+    with pytest.raises(BatchConfigError) as error:
+        run(config)
+    assert needle in str(error.value)
+    assert not (tmp_path / "out").exists(), "nothing was written"
+
+
+def test_syntax_error_in_the_intervention_fails_before_any_engine_starts(no_engines, model_dir, tmp_path):
+    from nnsight_ray.batch.errors import BatchConfigError
+
+    bad = tmp_path / "iv.py"
+    bad.write_text("def intervene(model, tracer):\n    return {'h': model.model.layers[0].output[0]\n")
+    config = make_config(tmp_path, model_dir, PROMPTS, saves=None, intervention=str(bad))
+    with pytest.raises(BatchConfigError, match=r"iv.py.*syntax error at line 2"):
+        run(config)
+
+
+def test_cli_reports_a_bad_module_path_with_exit_code_2(model_dir, tmp_path):
+    config = make_config(tmp_path, model_dir, PROMPTS, saves=[{"location": "model.layers.4.output"}])
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run([sys.executable, "-m", "nnsight_ray.batch", "--config", str(path), "--set", "engine.replicas=2"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "'model.layers' has no submodule '4' (its children: 0, 1, 2, 3)" in done.stderr
+    assert "starting engine replica" not in done.stderr and "Connected to Ray" not in done.stderr
+
+
+# --------------------------------------------------------------------------- ray job submit
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _descendants_and_matches(needles: list[str]) -> list[int]:
+    """PIDs whose command line contains a needle, plus all their descendants."""
+    table = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    parent, mine = {}, set()
+    for line in table.splitlines():
+        pid, ppid, *args = line.split(None, 2)
+        parent[int(pid)] = int(ppid)
+        if int(pid) != os.getpid() and args and any(n in args[0] for n in needles):
+            mine.add(int(pid))
+    grew = True
+    while grew:
+        grew = False
+        for pid, ppid in parent.items():
+            if pid not in mine and ppid in mine:
+                mine.add(pid)
+                grew = True
+    return sorted(mine)
+
+
+@pytest.fixture
+def head_node():
+    """``ray start --head`` on 127.0.0.1 with its own ports and temp dir; stopped by killing only its processes."""
+    temp_dir = tempfile.mkdtemp(prefix="nrjob", dir="/tmp")
+    (gcs, dashboard, node_manager, object_manager, agent, agent_grpc, runtime_env, metrics,
+     client) = _free_ports(9)
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           # Job entrypoints run with the raylet's PATH: `python` is this venv's.
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+           "RAY_raylet_start_wait_time_s": "120"}
+    env.pop("RAY_ADDRESS", None)
+    command = [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--node-ip-address=127.0.0.1",
+        f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--include-dashboard=true",
+        f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}",
+        f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
+        f"--ray-client-server-port={client}", "--num-cpus=4", "--num-gpus=0", f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]
+    started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    needles = [temp_dir, f"127.0.0.1:{gcs}", f"gcs_server_port={gcs}"]
+    try:
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        yield {"dashboard": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{gcs}", "env": env}
+    finally:
+        pids = _descendants_and_matches(needles)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 15
+            while sig == signal.SIGTERM and time.monotonic() < deadline and any(
+                    os.path.exists(f"/proc/{p}") for p in pids):
+                time.sleep(0.5)
+        subprocess.run(["rm", "-rf", temp_dir], check=False)
+
+
+def test_ray_job_submit_writes_shards_equal_to_local_traces(head_node, local_llama, model_dir, tmp_path):
+    prompts = PROMPTS[:6]
+    config = make_config(tmp_path, model_dir, prompts, engine={"replicas": 2, "placement_strategy": "PACK"},
+                         runner={"max_in_flight": 4, "prompts_per_trace": 2, "progress_interval_s": 1})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "submit_batch.py"), "--address", head_node["dashboard"],
+         "--no-working-dir", "--config", str(path), "--env", "TOKENIZERS_PARALLELISM=false"],
+        env=head_node["env"], capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "SUCCEEDED" in done.stdout and "batch done" in done.stdout and "prompts/s" in done.stdout
+    got = rows(tmp_path / "out")
+    assert [r["id"] for r in got] == [f"q{i}" for i in range(len(prompts))]
+    for row in got:
+        check_against_local(local_llama, row, config["saves"])
+    replicas = json.loads((tmp_path / "out" / "manifest.json").read_text())["runs"][-1]["replicas"]
+    assert len(replicas) == 2 and all(r["owned"] for r in replicas)
