@@ -27,6 +27,7 @@ reports ready.
 import asyncio
 import logging
 import threading
+import time
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request, Response
@@ -231,18 +232,24 @@ class NNsightDeployment:
         return {"status": "ok", "engine": self.engine_name}
 
     async def generate(self, request: Request) -> Response:
-        """Run a serialized trace; reply ``torch.save({"saves", "error"})`` (nnsight's wire format)."""
+        """Run a serialized trace; reply ``torch.save({"saves", "error"})`` (nnsight's wire format).
+
+        The reply's ``Server-Timing`` header splits the time into the build
+        (deserialize + prepare + attach, on this replica) and the engine
+        (submit to merged result).
+        """
         from nnsight.intervention.errors import capture_exception
 
         self._ready()
         body = await request.body()
         compress = request.headers.get("nnsight-compress", "False").lower() == "true"
+        started = time.perf_counter()
         try:
             built = build_trace(self.model, body, self.persistent_objects, compress)
         except Exception as error:
             logger.info("replica %s: trace failed to build: %s", self.engine_name, error)
-            return Response(trace_payload({}, capture_exception(error)), media_type=OCTET,
-                            headers={ENGINE_HEADER: self.engine_name})
+            return self._trace_reply({}, capture_exception(error), started, time.perf_counter())
+        built_at = time.perf_counter()
         ref = self.engine.trace_ref(built.prompts, built.params, built.loras, built.presaved)
         try:
             result = await ref
@@ -250,8 +257,13 @@ class NNsightDeployment:
             cause = _cause(error)
             logger.warning("replica %s: trace failed: %s", self.engine_name, cause)
             result = {"saves": {}, "error": capture_exception(cause)}
-        return Response(trace_payload(result["saves"], result["error"]), media_type=OCTET,
-                        headers={ENGINE_HEADER: self.engine_name})
+        return self._trace_reply(result["saves"], result["error"], started, built_at)
+
+    def _trace_reply(self, saves: dict, error: Any, started: float, built_at: float) -> Response:
+        body = trace_payload(saves, error)
+        now = time.perf_counter()
+        timing = f"build;dur={(built_at - started) * 1e3:.1f}, engine;dur={(now - built_at) * 1e3:.1f}"
+        return Response(body, media_type=OCTET, headers={ENGINE_HEADER: self.engine_name, "server-timing": timing})
 
     async def register(self, registration_id: str, request: Request, name: str | None = None) -> dict[str, Any]:
         """Install a block on every replica's engine (``model.edit(serve=url)``)."""

@@ -1,11 +1,11 @@
 """The Ray Serve application over real HTTP on 127.0.0.1, real CPU engines.
 
-One application with two replicas (two TP=1 engines) serves most tests, and a
-second, one-replica PP=2 application (route prefix ``/pp2``) checks that any
-layout works behind the route. Both start together at the top of the module
-(engines take a minute on this machine). Clients are nnsight's own: a meta-only
-``LocalVLLM(path)`` with ``serve=url``; values are checked against nnsight's
-in-process engine (``local_llama``).
+One application serves every test: two replicas, each its own pipeline-parallel
+engine (PP=2, two rank actors in a placement group of its own, SPREAD over the
+raylets), started once for the module (engines take a minute or two on this
+machine). Clients are nnsight's own: a meta-only ``LocalVLLM(path)`` with
+``serve=url``; values are checked against nnsight's in-process single-rank
+engine (``local_llama``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from conftest import ENGINE_KWARGS, assert_close
 pytestmark = pytest.mark.integration
 
 APP = "nnsight-serve-test"
-PP_APP = "nnsight-serve-test-pp2"
 KEY = "test-key-0123456789"
 MAX_BODY = 1 << 20
 READY_TIMEOUT_S = 480
@@ -62,7 +61,7 @@ def engine_request_counts(app: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def served(ray_cluster, model_dir):
-    """``{"url", "pp_url", "first_health"}``: both applications up, their engines ready."""
+    """``{"url", "first_health"}``: the application up, both replicas' engines ready."""
     from ray import serve
 
     from nnsight_ray._internal.deploy import list_deployments
@@ -70,20 +69,16 @@ def served(ray_cluster, model_dir):
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    common = {"model": model_dir, "engine_kwargs": ENGINE_KWARGS}
-    serve.run(build_app({**common, "num_replicas": 2, "api_key": KEY, "max_body_bytes": MAX_BODY}),
-              name=APP, route_prefix="/")
+    serve.run(build_app({"model": model_dir, "engine_kwargs": ENGINE_KWARGS, "num_replicas": 2,
+                         "pipeline_parallel_size": 2, "placement_strategy": "SPREAD",
+                         "api_key": KEY, "max_body_bytes": MAX_BODY}), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     first = httpx.get(f"{url}/health", timeout=30)
-    serve.run(build_app({**common, "pipeline_parallel_size": 2, "placement_strategy": "SPREAD"}),
-              name=PP_APP, route_prefix="/pp2")
     try:
         wait_ready(APP, 2)
-        wait_ready(PP_APP, 1)
-        yield {"url": url, "pp_url": f"{url}/pp2", "first_health": (first.status_code, first.json())}
+        yield {"url": url, "first_health": (first.status_code, first.json())}
     finally:
-        for app in (APP, PP_APP):
-            serve.delete(app)
+        serve.delete(APP)
         serve.shutdown()
         # The replicas shut their engines down (placement groups, rank actors).
         deadline = time.monotonic() + 60
@@ -186,13 +181,6 @@ def test_sixteen_concurrent_clients_get_their_own_values(served, client, local_l
         for value in values:
             assert_close(value, want[prompt])
     assert set(engine_request_counts(APP)) == {0}
-
-
-def test_any_layout_behind_the_route_pp2(served, client, local_llama):
-    got = layer_and_logits(client, "Hello world", serve=served["pp_url"])
-    want = layer_and_logits(local_llama, "Hello world")
-    for g, w in zip(got, want):
-        assert_close(g, w)
 
 
 # --------------------------------------------------------------------------- replicas, registered blocks, completions

@@ -355,3 +355,133 @@ def test_completion_response_shape_and_saves():
 
 def test_saves_round_trip():
     assert decode_saves(encode_saves([{"a": [1, 2]}, {}])) == [{"a": [1, 2]}, {}]
+
+
+# --------------------------------------------------------------------------- the replica's routes, without Serve
+
+
+class _Awaitable:
+    """Stands in for a Ray ObjectRef / Serve DeploymentResponse: awaited once."""
+
+    def __init__(self, value=None, error=None):
+        self.value, self.error = value, error
+
+    def __await__(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+        yield  # pragma: no cover
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        try:
+            return _Awaitable(self.fn(*args))
+        except Exception as error:
+            return _Awaitable(error=error)
+
+
+def replica(state="ready", api_key=None, engine=None, registry=None):
+    """An ``NNsightDeployment`` instance built by hand (no Serve, no engine) and a client for its app."""
+    from starlette.testclient import TestClient
+
+    from nnsight_ray.serve.deployment import NNsightDeployment
+
+    cls = NNsightDeployment.func_or_class
+    obj = cls.__new__(cls)
+    obj.args = ServeArgs.parse({"model": "/m", "max_body_bytes": 4096})
+    obj.api_key, obj.engine_name, obj.state, obj.error = api_key, "app-replica", state, None
+    if state == "failed":
+        obj.error = "PlacementError: no room"
+    obj.model = SimpleNamespace(interleaver=SimpleNamespace(cancel=lambda: None))
+    obj.persistent_objects = {}
+    obj.engine, obj.registry = engine, registry
+    return TestClient(obj.__serve_build_asgi_app__())
+
+
+def test_replica_answers_503_until_its_engine_is_ready():
+    from nnsight.modeling.vllm.serve import http
+
+    client = replica(state="starting")
+    response = client.get("/health")
+    assert response.status_code == 503 and "not ready" in response.json()["detail"]
+    generate = client.post("/v1/nnsight/generate", content=b"x")
+    with pytest.raises(ConnectionError, match="503"):  # what nnsight's client raises
+        http.check(generate)
+    failed = replica(state="failed").get("/health")
+    assert failed.status_code == 503 and "PlacementError" in failed.json()["detail"]
+    assert replica().get("/health").json() == {"status": "ok", "engine": "app-replica"}
+
+
+def test_corrupt_trace_comes_back_as_the_traces_error():
+    import io
+
+    response = replica().post("/v1/nnsight/generate", content=b"\x80\x04 not a trace")
+    assert response.status_code == 200 and response.headers["nnsight-engine"] == "app-replica"
+    assert response.headers["server-timing"].startswith("build;dur=")
+    result = torch.load(io.BytesIO(response.content), weights_only=False)
+    assert result["saves"] == {} and result["error"]["type_name"]
+
+
+def test_routes_are_guarded_and_limited():
+    client = replica(api_key="k")
+    assert client.get("/health").status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "a"}).status_code == 401
+    assert client.post("/v1/completions", json={"prompt": "a"}, headers={"ndif-api-key": "x"}).status_code == 403
+    big = client.post("/v1/nnsight/register/r", content=b"x" * 5000, headers={"ndif-api-key": "k"})
+    assert big.status_code == 413
+
+
+def test_completions_route_shapes_and_errors():
+    from vllm import SamplingParams
+
+    seen = []
+
+    def generate_async(prompts, params):
+        seen.append((prompts, params))
+        completion = SimpleNamespace(index=0, text="xyz", token_ids=[1, 2, 3], finish_reason="length")
+        return _Awaitable([SimpleNamespace(prompt_token_ids=[1], outputs=[completion], saves={"h": 1},
+                                           nnsight_error=None) for _ in prompts])
+
+    client = replica(engine=SimpleNamespace(generate_async=generate_async))
+    ok = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 3, "temperature": 0,
+                                              "nnsight": {"edits": ["probe"]}},
+                     headers={"nnsight-return-saves": "true"})
+    assert ok.status_code == 200 and [c["text"] for c in ok.json()["choices"]] == ["xyz", "xyz"]
+    assert decode_saves(ok.json()["nnsight_saves"]) == [{"h": 1}, {"h": 1}]
+    prompts, params = seen[0]
+    assert prompts == ["a", "b"] and isinstance(params, SamplingParams)
+    assert (params.max_tokens, params.temperature, params.extra_args) == (3, 0.0, {"nnsight_edits": ["probe"]})
+    bad = client.post("/v1/completions", json={"prompt": "a", "stream": True})
+    assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
+    assert client.post("/v1/completions", content=b"{not json").status_code == 400
+
+    from nnsight_ray.errors import RequestError
+
+    failing = replica(engine=SimpleNamespace(
+        generate_async=lambda p, s: _Awaitable(error=RequestError("prompt longer than max_model_len"))))
+    refused = failing.post("/v1/completions", json={"prompt": "a"})
+    assert refused.status_code == 400 and "max_model_len" in refused.json()["error"]["message"]
+
+
+def test_register_and_clear_go_through_the_registry():
+    calls = []
+
+    def register(id, name, payload):
+        calls.append(("register", id, name, payload))
+        if payload == b"bad":
+            raise RegistrationError("engine e refused registration r: cannot deserialize")
+        return {"id": id}
+
+    registry = SimpleNamespace(register=_Method(register),
+                               clear=_Method(lambda id: calls.append(("clear", id)) or {"id": id}))
+    client = replica(registry=registry)
+    ok = client.post("/v1/nnsight/register/r1?name=probe", content=b"payload")
+    assert ok.json() == {"status": "ok", "id": "r1", "name": "probe"}
+    refused = client.post("/v1/nnsight/register/r2", content=b"bad")
+    assert refused.status_code == 400 and "cannot deserialize" in refused.json()["detail"]
+    assert client.post("/v1/nnsight/register/r1/clear").json() == {"status": "ok", "id": "r1"}
+    assert calls == [("register", "r1", "probe", b"payload"), ("register", "r2", None, b"bad"), ("clear", "r1")]
