@@ -36,6 +36,10 @@ from conftest import ENGINE_KWARGS, assert_close
 
 pytestmark = pytest.mark.integration
 
+# Raylets start slowly on a busy machine; Ray's default wait (10 s) then fails
+# the start-up of the session cluster and of this module's own head node.
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = 4
 PROMPTS = ["Hello, world!", "The capital of France is", "1 2 3 4 5", "Hi", "abc def ghi jkl",
@@ -385,15 +389,35 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _descendants_and_matches(needles: list[str]) -> list[int]:
-    """PIDs whose command line contains a needle, plus all their descendants."""
-    table = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _descendants_and_matches(needles: list[str]) -> dict[int, str | None]:
+    """PIDs whose command line contains a needle, plus all their descendants, with their start times.
+
+    Read from /proc: ``ps`` cuts command lines at 80 columns when its output
+    is not a terminal, which hides the temp dir in a raylet's arguments.
+    """
     parent, mine = {}, set()
-    for line in table.splitlines():
-        pid, ppid, *args = line.split(None, 2)
-        parent[int(pid)] = int(ppid)
-        if int(pid) != os.getpid() and args and any(n in args[0] for n in needles):
-            mine.add(int(pid))
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                command = handle.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as handle:
+                ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        pid = int(entry)
+        parent[pid] = ppid
+        if pid != os.getpid() and any(n in command for n in needles):
+            mine.add(pid)
     grew = True
     while grew:
         grew = False
@@ -401,7 +425,7 @@ def _descendants_and_matches(needles: list[str]) -> list[int]:
             if pid not in mine and ppid in mine:
                 mine.add(pid)
                 grew = True
-    return sorted(mine)
+    return {pid: _start_time(pid) for pid in sorted(mine)}
 
 
 @pytest.fixture
@@ -413,7 +437,9 @@ def head_node():
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            # Job entrypoints run with the raylet's PATH: `python` is this venv's.
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-           "RAY_raylet_start_wait_time_s": "120"}
+           # A loopback-only test cluster: no token auth, whatever ~/.ray/auth_token holds
+           # (Ray 2.60 turns it on for `ray start` when that file exists).
+           "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     command = [
         sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--node-ip-address=127.0.0.1",
@@ -431,15 +457,18 @@ def head_node():
         yield {"dashboard": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{gcs}", "env": env}
     finally:
         pids = _descendants_and_matches(needles)
+
+        def alive() -> list[int]:  # ours and still running (a reused pid has another start time)
+            return [pid for pid, started_at in pids.items() if _start_time(pid) == started_at]
+
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in pids:
+            for pid in alive():
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
             deadline = time.monotonic() + 15
-            while sig == signal.SIGTERM and time.monotonic() < deadline and any(
-                    os.path.exists(f"/proc/{p}") for p in pids):
+            while sig == signal.SIGTERM and time.monotonic() < deadline and alive():
                 time.sleep(0.5)
         subprocess.run(["rm", "-rf", temp_dir], check=False)
 
