@@ -209,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import yaml
 
-    from .batch.__main__ import LocalCluster, _logging
+    from .batch.__main__ import _logging
+    from .batch.local_cluster import LocalCluster
     from .batch.config import validate
     from .batch.runner import run_batch
     from .models import ARCHITECTURES, ensure_model

@@ -104,7 +104,6 @@ def main() -> int:
     args = parser.parse_args()
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from nnsight_ray.batch.config import validate
@@ -127,7 +126,7 @@ def main() -> int:
     prepared = prepare(validate(config))
     fn = prepared.fn
 
-    from nnsight_ray.batch.__main__ import LocalCluster
+    from nnsight_ray.batch.local_cluster import LocalCluster
 
     cluster = LocalCluster(args.nodes, cpus_per_node=2, log_to_driver=False)
     from nnsight_ray import LocalVLLM, RayVLLM

@@ -116,14 +116,30 @@ def start_nnsight_server(model_dir: str, tp: int, pp: int) -> tuple[subprocess.P
     return proc, f"http://127.0.0.1:{port}"
 
 
-def start_ray_serve(model_dir: str, tp: int, pp: int) -> str:
+def start_ray(tp: int, pp: int) -> None:
+    """A local Ray instance on 127.0.0.1, retried: Ray gives a raylet 30 s to register, which a
+    loaded machine can miss ("The current node timed out during startup")."""
     import ray
+
+    attempts = 5
+    for attempt in range(attempts):
+        try:
+            ray.init(address="local", namespace="nnsight_ray", include_dashboard=False,
+                     _node_ip_address="127.0.0.1", num_cpus=max(4, tp * pp + 2), log_to_driver=False)
+            return
+        except Exception as error:
+            if attempt == attempts - 1:
+                raise
+            print(f"ray.init failed ({error}); retrying", flush=True)
+            ray.shutdown()
+            time.sleep(10)
+
+
+def start_ray_serve(model_dir: str, tp: int, pp: int) -> str:
     from ray import serve
 
     from nnsight_ray.serve import build_app
 
-    ray.init(address="local", namespace="nnsight_ray", include_dashboard=False, _node_ip_address="127.0.0.1",
-             num_cpus=max(4, tp * pp + 2), log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
     serve.run(build_app({"model": model_dir, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
@@ -238,6 +254,7 @@ def main() -> None:
 
     # Both servers start together (start-up is mostly imports), then are measured in turn.
     started = time.monotonic()
+    start_ray(args.tp, args.pp)
     proc, nnsight_url = start_nnsight_server(model_dir, args.tp, args.pp)
     try:
         serve_url = start_ray_serve(model_dir, args.tp, args.pp)

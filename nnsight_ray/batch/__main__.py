@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from typing import Sequence
 
@@ -62,39 +61,6 @@ def _logging(verbose: bool) -> None:
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
-class LocalCluster:
-    """``ray.cluster_utils.Cluster`` of ``n`` raylets on 127.0.0.1 (a head and n-1 nodes)."""
-
-    def __init__(self, n: int, cpus_per_node: int = 2, log_to_driver: bool = True) -> None:
-        if n < 1:
-            raise ValueError(f"--local-cluster {n}: need at least one raylet")
-        # Before Ray is imported: every raylet and this driver bind 127.0.0.1.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        # Raylets start slowly on a busy machine; Ray's default wait (10 s) then
-        # fails the start-up ("The current node timed out during startup").
-        os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
-        import ray
-        from ray.cluster_utils import Cluster
-
-        from .._internal.options import NAMESPACE
-
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": cpus_per_node, "node_ip_address": "127.0.0.1", "include_dashboard": False},
-        )
-        for _ in range(n - 1):
-            self.cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
-        self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=log_to_driver)
-        self.address = self.cluster.address
-
-    def shutdown(self) -> None:
-        import ray
-
-        ray.shutdown()
-        self.cluster.shutdown()
-
-
 def run_from_args(args: argparse.Namespace) -> int:
     from .config import load_config
     from .errors import BatchConfigError, BatchRunError
@@ -117,6 +83,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     cluster = None
     try:
         if args.local_cluster:
+            from .local_cluster import LocalCluster
+
             cluster = LocalCluster(args.local_cluster, args.cpus_per_node)
         from .._internal.options import connect_ray
         from .runner import run_batch

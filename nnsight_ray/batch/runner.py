@@ -429,6 +429,7 @@ class BatchRunner:
         self.engine_start_s = 0.0
         self.run_started: float | None = None
         self.run_ended: float | None = None
+        self.status = "running"
         self._manifest_written = 0.0
         self.written = 0
         self.prompts_run = 0
@@ -460,6 +461,11 @@ class BatchRunner:
                 self.engine_start_s = time.monotonic() - started
                 self._write_manifest(force=True)
                 self._loop(todo, skipped_prompts)
+            except BaseException:
+                # Interrupted (Ctrl-C, a bug): the shards written so far stay valid.
+                self.status = "interrupted"
+                self._write_manifest(force=True)
+                raise
             finally:
                 for replica in self.replicas:
                     replica.shutdown()
@@ -649,13 +655,13 @@ class BatchRunner:
             "engine_start_s": round(self.engine_start_s, 3),
             "run_s": round(self._run_s(), 3),
             "prompts_run": self.prompts_run,
-            "status": "running" if result is None else ("complete" if result.complete else "incomplete"),
+            "status": self.status if result is None else ("complete" if result.complete else "incomplete"),
             "replicas": [r.describe() for r in self.replicas],
         }
         previous_runs = [r for r in ((prepared.previous or {}).get("runs") or []) if r.get("id") != self.tag]
         pending = [p.index for p in prepared.plans if p.index not in self.records]
         manifest = {
-            "status": "complete" if not pending else ("running" if result is None else "incomplete"),
+            "status": "complete" if not pending else (self.status if result is None else "incomplete"),
             "config_file": prepared.config_file,
             "config": prepared.config.model_dump(mode="json"),
             "model_path": prepared.model_path,

@@ -169,7 +169,7 @@ class NNsightDeployment:
             model = await loop.run_in_executor(None, self._build)
             self.model, self.engine = model, model.vllm_entrypoint
             self.persistent_objects = model._remoteable_persistent_objects()
-            replay = await self.registry.attach.remote(self.engine_name)
+            replay = await self._attach()
             if replay["failed"]:
                 logger.error("replica %s: replayed registrations failed: %s", self.engine_name, replay["failed"])
             self.state = "ready"
@@ -177,6 +177,18 @@ class NNsightDeployment:
         except Exception as error:
             self.state, self.error = "failed", f"{type(error).__name__}: {_cause(error)}"
             logger.exception("replica %s: engine failed to start", self.engine_name)
+
+    async def _attach(self, attempts: int = 5) -> dict[str, Any]:
+        """Attach the engine to the registry (replaying its blocks); the registry may still be starting."""
+        for attempt in range(attempts):
+            try:
+                return await self.registry.attach.remote(self.engine_name)
+            except Exception as error:
+                if attempt == attempts - 1 or _engine_is_gone(error):
+                    raise
+                logger.warning("replica %s: registry not reachable (%s); retrying", self.engine_name, _cause(error))
+                await asyncio.sleep(2 ** attempt)
+        raise AssertionError("unreachable")
 
     async def check_health(self) -> None:
         """Serve's probe: fail once the engine failed or died (Serve then replaces the replica)."""

@@ -36,10 +36,6 @@ from conftest import ENGINE_KWARGS, assert_close
 
 pytestmark = pytest.mark.integration
 
-# Raylets start slowly on a busy machine; Ray's default wait (10 s) then fails
-# the start-up of the session cluster and of this module's own head node.
-os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
-
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = 4
 PROMPTS = ["Hello, world!", "The capital of France is", "1 2 3 4 5", "Hi", "abc def ghi jkl",
@@ -428,12 +424,28 @@ def _descendants_and_matches(needles: list[str]) -> dict[int, str | None]:
     return {pid: _start_time(pid) for pid in sorted(mine)}
 
 
+def _stop(needles: list[str]) -> None:
+    """End the processes a head node started (matched by its temp dir and GCS port), nothing else."""
+    pids = _descendants_and_matches(needles)
+
+    def alive() -> list[int]:  # ours and still running (a reused pid has another start time)
+        return [pid for pid, started_at in pids.items() if _start_time(pid) == started_at]
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in alive():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 15
+        while sig == signal.SIGTERM and time.monotonic() < deadline and alive():
+            time.sleep(0.5)
+
+
 @pytest.fixture
 def head_node():
     """``ray start --head`` on 127.0.0.1 with its own ports and temp dir; stopped by killing only its processes."""
     temp_dir = tempfile.mkdtemp(prefix="nrjob", dir="/tmp")
-    (gcs, dashboard, node_manager, object_manager, agent, agent_grpc, runtime_env, metrics,
-     client) = _free_ports(9)
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            # Job entrypoints run with the raylet's PATH: `python` is this venv's.
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
@@ -441,35 +453,29 @@ def head_node():
            # (Ray 2.60 turns it on for `ray start` when that file exists).
            "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    command = [
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--node-ip-address=127.0.0.1",
-        f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--include-dashboard=true",
-        f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}",
-        f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-        f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
-        f"--ray-client-server-port={client}", "--num-cpus=4", "--num-gpus=0", f"--temp-dir={temp_dir}",
-        "--disable-usage-stats",
-    ]
-    started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    needles = [temp_dir, f"127.0.0.1:{gcs}", f"gcs_server_port={gcs}"]
+    needles = [temp_dir]
     try:
+        for attempt in range(3):  # Ray gives a raylet 30 s to register: a busy machine can miss that
+            (gcs, dashboard, node_manager, object_manager, agent, agent_grpc, runtime_env, metrics,
+             client) = _free_ports(9)
+            needles += [f"127.0.0.1:{gcs}", f"gcs_server_port={gcs}"]
+            command = [
+                sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--node-ip-address=127.0.0.1",
+                f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                "--include-dashboard=true", f"--node-manager-port={node_manager}",
+                f"--object-manager-port={object_manager}", f"--dashboard-agent-listen-port={agent}",
+                f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={runtime_env}",
+                f"--metrics-export-port={metrics}", f"--ray-client-server-port={client}", "--num-cpus=4",
+                "--num-gpus=0", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+            ]
+            started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+            if started.returncode == 0:
+                break
+            _stop(needles)
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         yield {"dashboard": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{gcs}", "env": env}
     finally:
-        pids = _descendants_and_matches(needles)
-
-        def alive() -> list[int]:  # ours and still running (a reused pid has another start time)
-            return [pid for pid, started_at in pids.items() if _start_time(pid) == started_at]
-
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in alive():
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + 15
-            while sig == signal.SIGTERM and time.monotonic() < deadline and alive():
-                time.sleep(0.5)
+        _stop(needles)
         subprocess.run(["rm", "-rf", temp_dir], check=False)
 
 

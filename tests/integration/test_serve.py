@@ -230,6 +230,11 @@ def test_completions_match_local_generate_and_speak_openai(served, local_llama):
     assert result.object == "text_completion" and len(result.choices) == 2
     assert result.choices[0].text == want
     assert result.usage.completion_tokens == 8
+    from nnsight_ray.serve import decode_saves
+
+    asked = api.completions.create(model="tiny", prompt="abc", max_tokens=1, temperature=0,
+                                   extra_body={"nnsight": {"return_saves": True}})
+    assert decode_saves(asked.model_extra["nnsight_saves"]) == [{}]  # no block registered now
     bad = httpx.post(f"{served['url']}/v1/completions", headers={"ndif-api-key": KEY},
                      json={"prompt": "x", "stream": True})
     assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
