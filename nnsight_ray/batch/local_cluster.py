@@ -75,6 +75,10 @@ class LocalCluster:
             raise ValueError(f"--local-cluster {n}: need at least one raylet")
         # Before Ray is imported: every raylet and this driver bind 127.0.0.1.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        # How long a raylet waits for its agents' port files before it aborts
+        # (`raylet_start_wait_time_s`, read by the raylet binary; Ray's default
+        # is too short on a busy machine).
+        os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
         import ray
 
         from .._internal.options import NAMESPACE

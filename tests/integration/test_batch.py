@@ -451,7 +451,9 @@ def head_node():
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
            # A loopback-only test cluster: no token auth, whatever ~/.ray/auth_token holds
            # (Ray 2.60 turns it on for `ray start` when that file exists).
-           "RAY_AUTH_MODE": "disabled"}
+           "RAY_AUTH_MODE": "disabled",
+           # How long the raylet waits for its agents (nnsight_ray.batch.local_cluster).
+           "RAY_raylet_start_wait_time_s": "120"}
     env.pop("RAY_ADDRESS", None)
     needles = [temp_dir]
     try:
