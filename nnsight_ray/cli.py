@@ -22,7 +22,8 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="nnsight-ray", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="nnsight-ray",
+                                     description="nnsight_ray: batch runs, the tiny test model, the demo job.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{batch,build-model,demo}")
 
     from .batch.__main__ import add_arguments

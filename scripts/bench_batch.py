@@ -22,7 +22,8 @@ is ``batch >= 0.9 x max(local-loop, local-chunk)``.
 Usage::
 
     python scripts/bench_batch.py [--prompts N] [--rounds R] [--chunk C] [--tp T] [--pp P]
-                                  [--nodes K] [--replicas N] [--model-dir DIR] [--json PATH]
+                                  [--nodes K] [--replicas N] [--prompts-per-trace K] [--max-in-flight W]
+                                  [--model-dir DIR] [--json PATH]
 
 Example::
 
@@ -99,6 +100,8 @@ def main() -> int:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--nodes", type=int, default=3, help="raylets of the embedded cluster")
     parser.add_argument("--replicas", type=int, default=1, help="batch engine replicas")
+    parser.add_argument("--prompts-per-trace", type=int, help="runner.prompts_per_trace (default: the runner's)")
+    parser.add_argument("--max-in-flight", type=int, help="runner.max_in_flight (default: the runner's)")
     parser.add_argument("--model-dir", help="tiny llama checkpoint (built if missing); default a temp dir")
     parser.add_argument("--json", help="write the numbers here as JSON")
     args = parser.parse_args()
@@ -123,6 +126,10 @@ def main() -> int:
         "saves": [{"location": f"model.layers.{i}.output"} for i in range(4)] + [{"location": "logits"}],
         "output": {"dir": str(work / "out")},
     }
+    runner = {k: v for k, v in (("prompts_per_trace", args.prompts_per_trace),
+                                ("max_in_flight", args.max_in_flight)) if v}
+    if runner:
+        config["runner"] = runner
     prepared = prepare(validate(config))
     fn = prepared.fn
 
@@ -162,7 +169,9 @@ def main() -> int:
     median = {k: statistics.median(v) for k, v in results.items()}
     baseline = max(best["local-loop"], best["local-chunk"])
     ratio = best["batch"] / baseline
-    layout = f"TP={args.tp} PP={args.pp}, {args.replicas} replica(s), {args.nodes} raylets"
+    tuning = prepared.config.runner
+    layout = (f"TP={args.tp} PP={args.pp}, {args.replicas} replica(s), {args.nodes} raylets, "
+              f"runner {tuning.prompts_per_trace} prompts/trace x {tuning.max_in_flight} in flight")
     print()
     print(f"{args.prompts} prompts, 4 layer residuals + logits per prompt, {layout}, {args.rounds} rounds")
     print(f"engine start: LocalVLLM {local_start:.1f} s, RayVLLM {ray_start:.1f} s (excluded)")

@@ -230,7 +230,7 @@ class _Replica:
         return getattr(self.model, "name", None) or f"replica{self.index}"
 
     def describe(self) -> dict[str, Any]:
-        spec = getattr(self.model, "_deployment", {}).get("engine_kwargs", {})
+        # From the ranks themselves: a client attached by name does not know the layout.
         return {
             "index": self.index,
             "name": self.name,
@@ -238,8 +238,8 @@ class _Replica:
             "alive": self.alive,
             "restarts": self.restarts,
             "start_s": round(self.start_s, 3),
-            "tensor_parallel_size": spec.get("tensor_parallel_size"),
-            "pipeline_parallel_size": spec.get("pipeline_parallel_size"),
+            "tensor_parallel_size": len({t.get("tp_rank") for t in self.topology}) or None,
+            "pipeline_parallel_size": len({t.get("pp_rank") for t in self.topology}) or None,
             "prompts_served": self.served,
             "topology": self.topology,
         }
