@@ -281,10 +281,12 @@ def test_resume_after_a_killed_run_has_no_duplicates_and_no_gaps(ray_cluster, ra
                "--connect", "tp1"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = tmp_path / "out"
-    first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tmp_path / "first.log"
+    with open(log, "wb") as handle:  # a file, not a pipe nobody drains
+        first = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
     while len(list(out.glob("shard-*.parquet"))) < 2:
-        assert first.poll() is None, first.stdout.read().decode()[-3000:]
+        assert first.poll() is None, log.read_text()[-3000:]
         assert time.monotonic() < deadline, "no shard written in 240 s"
         time.sleep(0.05)
     first.send_signal(signal.SIGKILL)
