@@ -9,6 +9,30 @@ from __future__ import annotations
 
 from typing import Any
 
+
+def _define_anyio_attribute_sets() -> None:
+    """Define anyio's ``TypedAttributeSet`` subclasses before nnsight is imported.
+
+    nnsight 0.8.1 mounts ``save`` onto ``object`` when imported; anyio's
+    ``TypedAttributeSet.__init_subclass__`` then rejects every attribute set
+    defined later ("Attribute 'save' is missing its type annotation"). nnsight
+    warms ``import anyio`` for this, but anyio >= 4.16 loads its submodules
+    lazily, so ``SocketAttribute`` (``anyio.abc``), ``TLSAttribute`` and
+    ``FileStreamAttribute`` are still undefined; the first Starlette/Serve code
+    touching them afterwards (the Serve controller, the HTTP proxy) fails. Every
+    process that unpickles one of our actors imports this package first, so
+    doing it here covers the cluster. Remove when nnsight warms these itself.
+    """
+    try:
+        import anyio.streams.file  # noqa: F401
+        import anyio.streams.tls  # noqa: F401
+        from anyio.abc import SocketAttribute  # noqa: F401
+    except ImportError:  # anyio is optional for the package itself
+        pass
+
+
+_define_anyio_attribute_sets()
+
 __all__ = ["LocalVLLM", "RayVLLM", "build_model", "ensure_model", "errors"]
 
 

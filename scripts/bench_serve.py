@@ -121,6 +121,10 @@ def start_ray(tp: int, pp: int) -> None:
     loaded machine can miss ("The current node timed out during startup")."""
     import ray
 
+    # Ray starts its workers (the Serve proxy, replica, engine and rank actors)
+    # at niceness 15, below the nnsight server's processes; on a shared machine
+    # that alone decides the comparison, so both run at the default niceness.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     attempts = 5
     for attempt in range(attempts):
         try:

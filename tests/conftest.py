@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import nnsight_ray  # noqa: F401  (first: it defines anyio's attribute sets before nnsight loads)
 import pytest
 import torch
 

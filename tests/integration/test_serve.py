@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 APP = "nnsight-serve-test"
 KEY = "test-key-0123456789"
 MAX_BODY = 1 << 20
-READY_TIMEOUT_S = 480
+READY_TIMEOUT_S = 900
 
 
 def free_port() -> int:
