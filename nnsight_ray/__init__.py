@@ -11,24 +11,43 @@ from typing import Any
 
 
 def _define_anyio_attribute_sets() -> None:
-    """Define anyio's ``TypedAttributeSet`` subclasses before nnsight is imported.
+    """Define anyio's ``TypedAttributeSet`` subclasses with nnsight's ``.save`` mount out of the way.
 
     nnsight 0.8.1 mounts ``save`` onto ``object`` when imported; anyio's
     ``TypedAttributeSet.__init_subclass__`` then rejects every attribute set
     defined later ("Attribute 'save' is missing its type annotation"). nnsight
     warms ``import anyio`` for this, but anyio >= 4.16 loads its submodules
     lazily, so ``SocketAttribute`` (``anyio.abc``), ``TLSAttribute`` and
-    ``FileStreamAttribute`` are still undefined; the first Starlette/Serve code
-    touching them afterwards (the Serve controller, the HTTP proxy) fails. Every
-    process that unpickles one of our actors imports this package first, so
-    doing it here covers the cluster. Remove when nnsight warms these itself.
+    ``FileStreamAttribute`` stay undefined, and the first Starlette/Serve code
+    touching them (a Serve replica, the HTTP proxy) fails. Ray worker processes
+    are reused, so nnsight may already be imported when this package is: then
+    the mount is lifted while anyio's classes are defined and put back (the
+    same function, through nnsight's own ``mount``/``unmount``). Every process
+    that unpickles one of our actors or deployments imports this package first.
+    Remove when nnsight warms these itself.
     """
+    import sys
+
+    try:
+        import anyio  # noqa: F401
+    except ImportError:  # anyio is optional for the package itself
+        return
+    mounted = object.__dict__.get("save") if "nnsight" in sys.modules else None
+    mount = unmount = None
+    if mounted is not None:
+        try:
+            from nnsight._c import mount, unmount
+        except ImportError:
+            pass
+        if unmount is not None:
+            unmount("save")
     try:
         import anyio.streams.file  # noqa: F401
         import anyio.streams.tls  # noqa: F401
         from anyio.abc import SocketAttribute  # noqa: F401
-    except ImportError:  # anyio is optional for the package itself
-        pass
+    finally:
+        if mounted is not None and mount is not None:
+            mount(mounted, "save")
 
 
 _define_anyio_attribute_sets()

@@ -107,11 +107,34 @@ class LocalVLLM(VLLM):
         from ._internal.options import configure_engine_kwargs, release_placement_group
 
         kwargs = configure_engine_kwargs(platform.engine_defaults(kwargs))
+        self._engine_kwargs = kwargs
         try:
             return super()._load(repo_id, **kwargs)
         except BaseException:
             release_placement_group(kwargs)
             raise
+
+    def shutdown(self) -> None:
+        """Stop the engine (its core process, any Ray rank actors) and free what it reserved.
+
+        With ``distributed_executor_backend="ray"`` the ranks' placement group
+        is reserved in this process (see ``configure_engine_kwargs``), so it
+        outlives the engine core unless released here. Safe to call twice.
+        """
+        from ._internal.options import release_placement_group
+
+        engine, self.vllm_entrypoint = getattr(self, "vllm_entrypoint", None), None
+        if engine is not None:
+            try:
+                if hasattr(engine, "shutdown"):  # AsyncLLM (mode="async")
+                    engine.shutdown()
+                else:  # vllm.LLM
+                    engine.llm_engine.engine_core.shutdown()
+            except Exception:  # the engine core already died
+                pass
+        kwargs, self._engine_kwargs = self.__dict__.get("_engine_kwargs"), None
+        if kwargs:
+            release_placement_group(kwargs)
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
         # The async engine's streaming backend, with the same typed errors as

@@ -67,11 +67,14 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     _logging(args.verbose)
     try:
-        config = load_config(args.config, args.overrides)
-        if args.check:
-            from .runner import prepare
+        # Everything about the inputs (module paths against the meta tree,
+        # engine arguments, prompts, the output folder) is checked before Ray
+        # is touched, so a typo costs seconds, not a cluster start.
+        from .runner import prepare
 
-            prepared = prepare(config, args.config)
+        config = load_config(args.config, args.overrides)
+        prepared = prepare(config, args.config)
+        if args.check:
             print(f"config OK: {len(prepared.prompts)} prompts in {len(prepared.plans)} shards -> "
                   f"{prepared.run_dir.path}"
                   + (f"; saves read in order {[r.name for r in prepared.reads]}" if prepared.reads else ""))
@@ -90,7 +93,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         from .runner import run_batch
 
         connect_ray(args.address)
-        result = run_batch(config, args.config, connect=args.connect, raise_on_failure=False)
+        result = run_batch(config, args.config, prepared=prepared, connect=args.connect, raise_on_failure=False)
         print(result.summary(), flush=True)
         return 0 if result.complete else 1
     except BatchConfigError as error:

@@ -706,13 +706,15 @@ def _versions() -> dict[str, str]:
 
 def run_batch(config: BatchConfig, config_file: str | None = None, *, engines: Sequence[Any] | None = None,
               connect: Sequence[str] | None = None, stream: TextIO | None = None,
-              interactive: bool | None = None, raise_on_failure: bool = True) -> BatchResult:
+              interactive: bool | None = None, raise_on_failure: bool = True,
+              prepared: Prepared | None = None) -> BatchResult:
     """Prepare and run ``config``; engines: given ones, named deployments, or ``engine.replicas`` new ones.
 
     Raises ``BatchConfigError`` before any engine starts when the inputs are
     wrong, ``BatchRunError`` (with ``.result``) when shards are left unfinished.
+    ``prepared`` is ``prepare(config, config_file)`` when the caller already did it.
     """
-    prepared = prepare(config, config_file)
+    prepared = prepared or prepare(config, config_file)
     result = BatchRunner(prepared, engines=engines, connect=connect, stream=stream, interactive=interactive).run()
     if raise_on_failure and not result.complete:
         error = BatchRunError(result.summary())

@@ -46,13 +46,6 @@ def _engine(path: str):
     return LocalVLLM(path, dispatch=True, **ENGINE_KWARGS)
 
 
-def _shutdown(model) -> None:
-    try:
-        model.vllm_entrypoint.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-
-
 @pytest.fixture(scope="module")
 def llama(local_llama):
     """The session's single-device reference engine (one engine start fewer)."""
@@ -63,7 +56,7 @@ def llama(local_llama):
 def gpt2(gpt2_dir):
     model = _engine(gpt2_dir)
     yield model
-    _shutdown(model)
+    model.shutdown()
 
 
 @pytest.fixture(autouse=True)

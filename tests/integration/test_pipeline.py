@@ -44,6 +44,7 @@ def pp(request, ray_cluster, model_dir):
     from nnsight_ray import LocalVLLM
 
     layout = LAYOUTS[request.param]
+    groups_before = live_placement_groups()
     model = LocalVLLM(
         model_dir,
         dispatch=True,
@@ -53,10 +54,15 @@ def pp(request, ray_cluster, model_dir):
         **ENGINE_KWARGS,
     )
     yield model
-    try:
-        model.vllm_entrypoint.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
+    model.shutdown()
+    # the ranks' placement group was reserved here; shutdown hands it back
+    assert live_placement_groups() <= groups_before
+
+
+def live_placement_groups() -> set[str]:
+    import ray
+
+    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}
 
 
 @pytest.fixture

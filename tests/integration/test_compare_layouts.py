@@ -1,0 +1,62 @@
+"""scripts/compare_layouts.py, run as users run it, on the session's simulated cluster (four raylets)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_layouts.py"
+
+
+def our_actors(prefix: str) -> list[str]:
+    from ray.util.state import list_actors
+
+    return [a.name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+            if (a.name or "").startswith(prefix)]
+
+
+def test_tp2_and_pp2_match_the_single_rank_run_and_say_where_ranks_ran(ray_cluster, model_dir, tmp_path):
+    report_path = tmp_path / "report.json"
+    pgs_before = {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", model_dir, "--layouts", "2x1,1x2", "--strategies", "STRICT_SPREAD",
+         "--engine-arg", "dtype=float32", "--engine-arg", "max_model_len=256",
+         "--engine-arg", f"kv_cache_memory_bytes={64 << 20}",
+         "--prompt", "The quick brown fox", "--prompt", "abc", "--max-tokens", "3", "--repeats", "1",
+         "--json", str(report_path)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "all layouts match the single-rank run" in done.stdout
+
+    report = json.loads(report_path.read_text())
+    assert report["reference"]["status"] == "ran"
+    assert [(e["layout"], e["placement_strategy"]) for e in report["layouts"]] == [
+        ("2x1", "STRICT_SPREAD"), ("1x2", "STRICT_SPREAD")]
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    for entry in report["layouts"]:
+        assert entry["match"] and entry["tokens_equal"], entry
+        assert entry["max_rel_err"] < 1e-3
+        ranks = [(r["pp_rank"], r["tp_rank"]) for r in entry["ranks"]]
+        assert ranks == ([(0, 0), (0, 1)] if entry["layout"] == "2x1" else [(0, 0), (1, 0)])
+        # STRICT_SPREAD: each rank on its own raylet, all of them this cluster's
+        assert len({r["node_id"] for r in entry["ranks"]}) == 2 and {r["node_id"] for r in entry["ranks"]} <= nodes
+        assert all(r["actor_name"] == f"{entry['name']}.pp{r['pp_rank']}.tp{r['tp_rank']}" for r in entry["ranks"])
+        assert entry["start_s"] > 0 and entry["trace_s_median"] > 0
+        # the printed table names the layout and every rank's node
+        assert all(r["actor_name"] in done.stdout for r in entry["ranks"])
+
+    # every engine it started is gone, with its placement group
+    assert our_actors("compare-") == []
+    pgs_after = {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
+    assert pgs_after <= pgs_before
+
