@@ -156,6 +156,9 @@ def run_trace(model, layers_path: str, n_layers: int, prompt: str, max_tokens: i
     with model.trace(prompt, temperature=0.0, max_tokens=max_tokens) as tracer:
         hidden = nnsight.save([])
         logits = nnsight.save([])
+        samples = nnsight.save([])
+        # An open `tracer.all()` loop ends when generation does: nothing after
+        # it in the block runs, so the tokens come from `model.samples`.
         for _ in tracer.all():
             step = []
             for i in range(n_layers):
@@ -164,8 +167,8 @@ def run_trace(model, layers_path: str, n_layers: int, prompt: str, max_tokens: i
                 step.append([p.clone() for p in parts if p is not None])
             hidden.append(step)
             logits.append(model.logits.clone())
-        result = tracer.result.save()
-    return {"hidden": hidden, "logits": logits, "tokens": list(result.outputs[0].token_ids)}
+            samples.append(model.samples.clone())
+    return {"hidden": hidden, "logits": logits, "tokens": [s.tolist() for s in samples]}
 
 
 def relative_error(got, want) -> float:

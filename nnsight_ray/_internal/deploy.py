@@ -63,6 +63,8 @@ class MergeActor:
         self.groups: dict[str, Group] = {}
         self.waiters: dict[str, asyncio.Event] = {}
         self.bytes_merged = 0
+        self.requests_merged = 0  # finished requests handed over by the engine
+        self.groups_expired = 0  # dropped by the sweep: caller gone, or never came for them
         self._sweeper: asyncio.Task | None = None
 
     def set_ranks(self, actor_names: list[str]) -> None:
@@ -79,6 +81,7 @@ class MergeActor:
         for key, state in list(self.groups.items()):
             if state.expired(now, key in self.waiters, ABANDON_AFTER_S, GROUP_TTL_S):
                 del self.groups[key]
+                self.groups_expired += 1
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -98,6 +101,7 @@ class MergeActor:
         for position, (group, index, request_id, output, error) in enumerate(reports):
             payloads = [taken[position] for taken in per_rank]
             self.bytes_merged += sum(len(p) for p in payloads if p)
+            self.requests_merged += 1
             state = self._group(group)
             error = error or failure
             if error is not None:
@@ -141,7 +145,8 @@ class MergeActor:
 
     def stats(self) -> dict[str, Any]:
         self._sweep()
-        return {"groups": len(self.groups), "waiting": len(self.waiters), "bytes_merged": self.bytes_merged}
+        return {"groups": len(self.groups), "waiting": len(self.waiters), "bytes_merged": self.bytes_merged,
+                "requests_merged": self.requests_merged, "groups_expired": self.groups_expired}
 
 
 class EngineActor:

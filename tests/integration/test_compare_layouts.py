@@ -17,10 +17,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_layouts.py"
 
 
 def our_actors(prefix: str) -> list[str]:
-    from ray.util.state import list_actors
-
-    return [a.name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
-            if (a.name or "").startswith(prefix)]
+    """Named actors still registered (not dead) whose name starts with ``prefix``."""
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
 
 
 def test_tp2_and_pp2_match_the_single_rank_run_and_say_where_ranks_ran(ray_cluster, model_dir, tmp_path):

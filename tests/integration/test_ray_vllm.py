@@ -166,14 +166,19 @@ def test_caller_that_dies_mid_request_leaks_nothing(ray_cluster, ray_tp1, tmp_pa
         os._exit(3)   # gone before the request finishes
     """))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    merge = ray_tp1.vllm_entrypoint.merges[0]
+    merged_before = ray.get(merge.stats.remote())["requests_merged"]
     result = subprocess.run([sys.executable, str(script), ray_cluster.address], timeout=300, env=env)
     assert result.returncode == 3
-    deadline = time.monotonic() + 90   # the merge actor drops abandoned groups after 30 s
+    # Wait for the orphaned request to finish and reach the merge actor, then
+    # for everything it held to go (abandoned groups are dropped after 30 s).
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        stats = ray.get(ray_tp1.vllm_entrypoint.merges[0].stats.remote())
-        if request_counts(ray_tp1) == [0] and stats["groups"] == 0:
+        stats = ray.get(merge.stats.remote())
+        if stats["requests_merged"] > merged_before and stats["groups"] == 0 and request_counts(ray_tp1) == [0]:
             break
         time.sleep(1)
+    assert stats["requests_merged"] > merged_before, "the orphaned request never finished"
     assert request_counts(ray_tp1) == [0]
     assert ray.get(ray_tp1.vllm_entrypoint.merges[0].stats.remote())["groups"] == 0
     assert ray_tp1.vllm_entrypoint.collective_rpc("nnsight_ray_stash_size") == [0]
