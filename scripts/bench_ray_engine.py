@@ -198,8 +198,7 @@ def part_bytes(model_dir: str, remote, n: int = 32) -> dict:
         assert size > 0 and size == serve_run(), "both paths must return the same saved bytes"
         t_ray, t_serve = timed(ray_run), timed(serve_run)
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        bench_serve.stop_process_group(proc)  # the server's vLLM engine processes too
     mb = size / 1e6
     print(f"[bytes] {n} traces, each saving 4 layers' output over a {len(long_prompt)}-character prompt "
           f"({mb / n:.2f} MB each)")
