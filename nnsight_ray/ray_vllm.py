@@ -24,6 +24,7 @@ import uuid
 from typing import Any
 
 from .errors import EngineDeadError, RequestError
+from ._internal.options import RAY_OPTION_NAMES
 from .local import LocalVLLM
 
 __all__ = ["RayVLLM", "RemoteEngine"]
@@ -169,30 +170,83 @@ class RayVLLM(LocalVLLM):
                  detached: bool = False, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  engine_actor_options: dict[str, Any] | None = None,
                  _handles: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        from ._internal.options import RAY_OPTION_NAMES, RankPlacement, connect_ray
+        from ._internal import deploy
+
+        nnsight_kwargs = {k: kwargs.pop(k) for k in ("mode", "envoys") if k in kwargs}
+        if _handles is None:
+            # The engine starts while this process builds the meta model.
+            _handles = self._launch(model, name=name, num_merge_actors=num_merge_actors, detached=detached,
+                                    tensor_parallel_size=tensor_parallel_size,
+                                    pipeline_parallel_size=pipeline_parallel_size,
+                                    engine_actor_options=engine_actor_options, **kwargs)
+        self._deployment = {"name": _handles["spec"]["name"], "handles": _handles}
+        self._trace_state = _TraceState()
+        engine_kwargs = {k: v for k, v in kwargs.items() if k not in RAY_OPTION_NAMES}
+        try:
+            super().__init__(model, **nnsight_kwargs, **engine_kwargs)
+            # Edits installed by other clients of a shared deployment are unseen
+            # here; the worker checks every request's edit names itself.
+            self._serving = True
+            self.dispatch()
+        except BaseException:
+            if "starting" in _handles:  # launched here, failed before serving: take it down
+                deploy.discard(_handles)
+            raise
+
+    @staticmethod
+    def _launch(model: str, *, name: str | None = None, num_merge_actors: int = 1, detached: bool = False,
+                tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                engine_actor_options: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+        """Start a deployment of ``model`` (``RayVLLM`` arguments) without waiting for it."""
+        from ._internal import deploy
+        from ._internal.options import RankPlacement, connect_ray
 
         connect_ray()
         placement_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in RAY_OPTION_NAMES}
         pg = placement_kwargs.pop("placement_group", None)
         if pg is not None:
             placement_kwargs["placement_group_id"] = pg.id.hex()
-        nnsight_kwargs = {k: kwargs.pop(k) for k in ("mode", "envoys") if k in kwargs}
-        self._deployment = {
-            "name": name or f"nnsight-{uuid.uuid4().hex[:8]}",
-            "placement": RankPlacement(**placement_kwargs),
-            "num_merge_actors": num_merge_actors,
-            "detached": detached,
-            "engine_actor_options": engine_actor_options,
-            "engine_kwargs": {**kwargs, "tensor_parallel_size": tensor_parallel_size,
-                              "pipeline_parallel_size": pipeline_parallel_size},
-            "handles": _handles,
-        }
-        self._trace_state = _TraceState()
-        super().__init__(model, **nnsight_kwargs, **kwargs)
-        # Edits installed by other clients of a shared deployment are unseen
-        # here; the worker checks every request's edit names itself.
-        self._serving = True
-        self.dispatch()
+        for key in ("mode", "envoys"):
+            kwargs.pop(key, None)
+        engine_kwargs = {**kwargs, "tensor_parallel_size": tensor_parallel_size,
+                         "pipeline_parallel_size": pipeline_parallel_size}
+        return deploy.launch(name or f"nnsight-{uuid.uuid4().hex[:8]}", model, engine_kwargs,
+                             RankPlacement(**placement_kwargs), num_merge_actors=num_merge_actors,
+                             detached=detached, engine_actor_options=engine_actor_options)
+
+    @classmethod
+    def start_many(cls, model: str, layouts: dict[str, dict[str, Any]], **common: Any) -> dict[str, "RayVLLM"]:
+        """Start several deployments of ``model`` at once; ``{name: RayVLLM}``.
+
+        ``layouts`` maps each deployment name to its own ``RayVLLM`` arguments
+        (``tensor_parallel_size``, ``placement_strategy``, ...); ``common``
+        applies to all. The engines come up concurrently (a start is mostly
+        processes importing vLLM and waiting on each other, so two overlap to
+        well under twice one); if one fails, the others are shut down and its
+        error is raised.
+
+        Example::
+
+            engines = RayVLLM.start_many(path, {"tp2": {"tensor_parallel_size": 2},
+                                                "pp2": {"pipeline_parallel_size": 2}}, dtype="float32")
+        """
+        from ._internal import deploy
+
+        launched: dict[str, dict[str, Any]] = {}
+        models: dict[str, RayVLLM] = {}
+        try:
+            for name, layout in layouts.items():
+                launched[name] = cls._launch(model, name=name, **{**common, **layout})
+            for name, layout in layouts.items():
+                models[name] = cls(model, name=name, _handles=launched[name], **{**common, **layout})
+        except BaseException:
+            for name, handles in launched.items():
+                if name in models:
+                    models[name].shutdown()
+                else:
+                    deploy.discard(handles)
+            raise
+        return models
 
     @classmethod
     def connect(cls, name: str, **nnsight_kwargs: Any) -> "RayVLLM":
@@ -219,12 +273,7 @@ class RayVLLM(LocalVLLM):
             self._cleanup_distributed()
             self._owns_distributed = False
         d = self._deployment
-        if d["handles"] is None:
-            d["handles"] = deploy.deploy(
-                d["name"], repo_id, d["engine_kwargs"], d["placement"],
-                num_merge_actors=d["num_merge_actors"], detached=d["detached"],
-                engine_actor_options=d["engine_actor_options"],
-            )
+        d["handles"] = deploy.wait_started(d["handles"])
         self.vllm_entrypoint = RemoteEngine(d["handles"])
         return meta_model
 

@@ -145,7 +145,8 @@ def start_ray_serve(model_dir: str, tp: int, pp: int) -> str:
     from nnsight_ray.serve import build_app
 
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port},
+                logging_config={"enable_access_log": False})
     serve.run(build_app({"model": model_dir, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
                          "api_key": KEY, "engine_kwargs": ENGINE_KWARGS}), name="bench", route_prefix="/")
     return f"http://127.0.0.1:{port}"

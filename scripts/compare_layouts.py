@@ -15,7 +15,7 @@ Usage::
         [--layouts TPxPP,...] [--strategies STRATEGY,...]
         [--address HOST:PORT | --local-nodes N [--cpus-per-node C]]
         [--prompt TEXT ...] [--max-tokens N] [--repeats N] [--rel-tol X]
-        [--engine-arg KEY=VALUE ...] [--json FILE]
+        [--engine-arg KEY=VALUE ...] [--reference NAME] [--json FILE]
 
 Examples::
 
@@ -114,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rel-tol", type=float, default=1e-3, help="norm-wise relative tolerance (default 1e-3)")
     parser.add_argument("--engine-arg", dest="engine_args", action="append", type=parse_engine_arg, default=[],
                         metavar="KEY=VALUE", help="vLLM engine argument, JSON-decoded when possible (repeatable)")
+    parser.add_argument("--reference", metavar="NAME",
+                        help="use the running single-rank deployment NAME (RayVLLM.connect) as the reference "
+                             "instead of starting one; it must serve the same checkpoint with TP=1, PP=1")
     parser.add_argument("--json", dest="json_path", help="write the report here")
     parser.add_argument("--workdir", default="runs/compare-layouts", help="where the tiny checkpoint goes")
     args = parser.parse_args(argv)
@@ -230,8 +233,37 @@ def run_layout(model_path: str, tp: int, pp: int, strategy: str, prompts: list[s
     except Exception as error:  # placement refused, engine failed: report it, go on with the others
         report.update(status="failed to start", error=f"{type(error).__name__}: {error}"[:2000])
         return report, None
+    report["start_s"] = round(time.perf_counter() - started, 2)
     try:
-        report["start_s"] = round(time.perf_counter() - started, 2)
+        return measure(model, prompts, args, report)
+    finally:
+        model.shutdown()
+
+
+def connect_reference(name: str, model_path: str, prompts: list[str], args: argparse.Namespace
+                      ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The reference from a running deployment (``--reference NAME``): traced, not started or stopped."""
+    from nnsight_ray import RayVLLM
+
+    report: dict[str, Any] = {"layout": "1x1", "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                              "name": name, "connected": True}
+    try:
+        model = RayVLLM.connect(name)
+    except Exception as error:
+        report.update(status="failed to connect", error=f"{type(error).__name__}: {error}"[:2000])
+        return report, None
+    served = model.vllm_entrypoint.handles["spec"]["model"]
+    if len(model.topology()) != 1 or os.path.realpath(served) != os.path.realpath(model_path):
+        report.update(status="not a reference", error=f"deployment {name!r} runs {served} on "
+                      f"{len(model.topology())} rank(s); the reference is {model_path} on one rank")
+        return report, None
+    return measure(model, prompts, args, report)
+
+
+def measure(model, prompts: list[str], args: argparse.Namespace, report: dict[str, Any]
+            ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Trace every prompt (first run + ``repeats`` timed); where the ranks ran."""
+    try:
         labels = node_labels()
         report["ranks"] = [{"pp_rank": t["pp_rank"], "tp_rank": t["tp_rank"], "node_id": t["node_id"],
                             "node": labels.get(t["node_id"], "?"), "actor_name": t["actor_name"]}
@@ -251,8 +283,6 @@ def run_layout(model_path: str, tp: int, pp: int, strategy: str, prompts: list[s
     except Exception as error:
         report.update(status="trace failed", error=f"{type(error).__name__}: {error}"[:2000])
         return report, None
-    finally:
-        model.shutdown()
 
 
 def connect(args: argparse.Namespace):
@@ -283,8 +313,11 @@ def compare_layouts(args: argparse.Namespace) -> dict[str, Any]:
     # The defaults size the CPU engine for the tiny checkpoints only.
     engine_args = {**({} if args.model else TINY_ENGINE_ARGS), **dict(args.engine_args)}
     run_id = uuid.uuid4().hex[:6]
-    reference, want = run_layout(model_path, 1, 1, "PACK", args.prompts, args, engine_args,
-                                 f"compare-{run_id}-reference")
+    if args.reference:
+        reference, want = connect_reference(args.reference, model_path, args.prompts, args)
+    else:
+        reference, want = run_layout(model_path, 1, 1, "PACK", args.prompts, args, engine_args,
+                                     f"compare-{run_id}-reference")
     report = {"model": model_path, "prompts": args.prompts, "max_tokens": args.max_tokens, "rel_tol": args.rel_tol,
               "engine_args": engine_args, "reference": reference, "layouts": []}
     if want is None:
@@ -315,7 +348,8 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"model {report['model']}; {len(report['prompts'])} prompts x {report['max_tokens']} greedy tokens; "
           f"every layer's output and the logits at every step; match = tokens equal and rel err < "
           f"{report['rel_tol']:g}")
-    print(f"reference TP=1 PP=1: {ref.get('status')}, start {ref.get('start_s', '-')} s, "
+    print(f"reference TP=1 PP=1{' (running deployment ' + ref['name'] + ')' if ref.get('connected') else ''}: "
+          f"{ref.get('status')}, start {ref.get('start_s', '-')} s, "
           f"trace {ref.get('trace_s_median', '-')} s  {ref.get('error', '')}")
     header = f"{'layout':8} {'strategy':14} {'match':6} {'max rel err':>11} {'start s':>8} {'trace s':>8} {'vs 1x1':>6}"
     print(header)

@@ -12,6 +12,9 @@ import os
 # (docs/platform.md, "Ray on one machine").
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Results of a caller that died are dropped after this long (30 s by default);
+# forwarded to the merge actors. No test leaves a live caller's result waiting.
+os.environ.setdefault("NNSIGHT_RAY_ABANDON_AFTER_S", "10")
 
 import nnsight_ray  # noqa: F401  (first: it defines anyio's attribute sets before nnsight loads)
 import pytest
@@ -80,18 +83,32 @@ def ray_engine(request, model_dir, name, **layout):
 
 
 @pytest.fixture(scope="session")
-def ray_tp1(request, model_dir):
-    model = ray_engine(request, model_dir, "tp1")
-    yield model
-    model.shutdown()
+def session_engines(request, model_dir):
+    """The session's RayVLLM deployments, started together (their starts overlap: ~1.3x one, not 2x).
+
+    ``tp1``: one rank; ``tp2``: TP=2 with the two ranks on two different
+    raylets (STRICT_SPREAD).
+    """
+    from nnsight_ray import RayVLLM
+
+    request.getfixturevalue("ray_cluster")
+    models = RayVLLM.start_many(model_dir, {
+        "tp1": {},
+        "tp2": {"tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD"},
+    }, **ENGINE_KWARGS)
+    yield models
+    for model in models.values():
+        model.shutdown()
 
 
 @pytest.fixture(scope="session")
-def ray_tp2(request, model_dir):
-    """TP=2 with the two ranks on two different raylets (STRICT_SPREAD)."""
-    model = ray_engine(request, model_dir, "tp2", tensor_parallel_size=2, placement_strategy="STRICT_SPREAD")
-    yield model
-    model.shutdown()
+def ray_tp1(session_engines):
+    return session_engines["tp1"]
+
+
+@pytest.fixture(scope="session")
+def ray_tp2(session_engines):
+    return session_engines["tp2"]
 
 
 def request_counts(model) -> list[int]:

@@ -25,7 +25,8 @@ import ray
 
 from ..errors import EngineDeadError, RequestError
 from .merge import Group, merge_request, trace_result
-from .options import NAMESPACE, RankPlacement
+from .options import (NAMESPACE, RankPlacement, acquire_placement_group, placement_group_name,
+                      remove_named_placement_groups, resolve_device)
 from .topology import RankId
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ class EngineActor:
         self.topology: list[dict[str, Any]] = []
         self.merges: list[Any] = []
         self.started = time.monotonic()
+        self._engine_kwargs: dict[str, Any] = {}
 
     async def start(self) -> list[dict[str, Any]]:
         from nnsight.modeling.vllm.vllm import VLLM
@@ -176,6 +178,7 @@ class EngineActor:
         kwargs.setdefault("enable_prefix_caching", False)
         kwargs.update(distributed_executor_backend="ray", **self.spec["placement"])
         kwargs = configure_engine_kwargs(kwargs)
+        self._engine_kwargs = kwargs
         try:
             args = AsyncEngineArgs(model=self.spec["model"], worker_cls=platform.worker_cls(), enforce_eager=True, **kwargs)
             llm = AsyncLLM.from_engine_args(args)
@@ -290,14 +293,34 @@ class EngineActor:
                 "uptime_s": time.monotonic() - self.started}
 
     async def shutdown(self) -> None:
-        if self.core is not None:
-            self.core.llm.shutdown()
+        from .options import release_placement_group
+
+        try:
+            if self.core is not None:
+                self.core.llm.shutdown()
+        finally:
+            # vLLM may stop its engine-core process before the executor removes
+            # the (detached) rank placement group; remove it here too.
+            release_placement_group(self._engine_kwargs)
 
 
 def deploy(name: str, model: str, engine_kwargs: dict[str, Any], placement: RankPlacement,
            num_merge_actors: int = 1, detached: bool = False, start_timeout_s: float = 600.0,
            engine_actor_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Create the merge and engine actors and wait for the engine to come up.
+    """Create the merge and engine actors and wait for the engine to come up (``launch`` + ``wait_started``)."""
+    return wait_started(launch(name, model, engine_kwargs, placement, num_merge_actors=num_merge_actors,
+                               detached=detached, engine_actor_options=engine_actor_options), start_timeout_s)
+
+
+def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: RankPlacement,
+           num_merge_actors: int = 1, detached: bool = False,
+           engine_actor_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Reserve the ranks' placement group, create the merge and engine actors, start the engine; don't wait.
+
+    Returns the deployment's handles with the pending start; ``wait_started``
+    waits for it (and cleans up if it failed). Meanwhile the caller can build
+    its client, or launch other deployments: an engine start is mostly
+    waiting for processes to come up and import vLLM, so several overlap well.
 
     ``engine_actor_options`` are extra ``.options()`` for the engine actor, e.g.
     ``{"resources": {"gpu_node": 0.01}}`` to keep vLLM's engine core off a
@@ -315,6 +338,13 @@ def deploy(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
             f"a deployment named {name!r} already runs in namespace {NAMESPACE!r} ({actor_name}); "
             f"attach with RayVLLM.connect({name!r}), shut it down, or pick another name."
         )
+    if placement.placement_group_id is None:
+        # Reserved here, before any actor starts: an unsatisfiable layout fails in
+        # seconds with what the cluster has, not after an engine actor has loaded
+        # vLLM. The engine removes it at shutdown (owns_placement_group).
+        world = int(engine_kwargs.get("tensor_parallel_size", 1)) * int(engine_kwargs.get("pipeline_parallel_size", 1))
+        pg, _ = acquire_placement_group(world, resolve_device(placement))
+        placement = placement.model_copy(update={"placement_group_id": pg.id.hex(), "owns_placement_group": True})
     runtime_env = {"env_vars": forwarded_env()}
     merges = [
         ray.remote(MergeActor).options(name=n, namespace=NAMESPACE, lifetime=lifetime, num_cpus=0,
@@ -329,15 +359,37 @@ def deploy(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
     engine = ray.remote(EngineActor).options(
         name=f"{name}.engine", namespace=NAMESPACE, lifetime=lifetime, **options,
     ).remote(spec)
+    return {"engine": engine, "merges": merges, "spec": spec, "starting": engine.start.remote()}
+
+
+def wait_started(handles: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+    """Wait for a ``launch``ed engine to come up; on failure remove all of it and raise the engine's error."""
+    starting = handles.pop("starting", None)
+    if starting is None:
+        return handles
     try:
-        ray.get(engine.start.remote(), timeout=start_timeout_s)
+        ray.get(starting, timeout=timeout_s)
     except BaseException as error:
-        for actor in [engine, *merges]:
+        for actor in [handles["engine"], *handles["merges"]]:
             ray.kill(actor)
+        if handles["spec"]["placement"].get("owns_placement_group"):
+            remove_named_placement_groups(placement_group_name(handles["spec"]["name"]))
         if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
             raise error.cause from None
         raise
-    return {"engine": engine, "merges": merges, "spec": spec}
+    return handles
+
+
+def discard(handles: dict[str, Any]) -> None:
+    """Take down a ``launch``ed deployment that will not be used (its start may still be under way)."""
+    if "starting" not in handles:
+        shutdown(handles)
+        return
+    try:
+        wait_started(handles)  # a half-started engine cannot be stopped cleanly
+    except Exception:
+        return  # its start failed, and wait_started removed what it had
+    shutdown(handles)
 
 
 def connect(name: str) -> dict[str, Any]:
@@ -384,6 +436,9 @@ def shutdown(handles: dict[str, Any], timeout_s: float = 60.0) -> None:
         ray.kill(actor)
     while _rank_names(name) and time.monotonic() < deadline:
         time.sleep(0.5)
+    # The engine was killed before it could remove its detached rank placement group.
+    if remove_named_placement_groups(placement_group_name(name)):
+        logger.warning("engine %s left its rank placement group behind; removed it", name)
 
 
 def _rank_names(name: str) -> list[str]:

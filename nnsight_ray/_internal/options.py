@@ -8,10 +8,13 @@ the ``VllmConfig`` alone. They therefore ride ``VllmConfig.additional_config``
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+logger = logging.getLogger(__name__)
 
 ADDITIONAL_CONFIG_KEY = "nnsight_ray"
 NAMESPACE = "nnsight_ray"
@@ -89,6 +92,15 @@ def connect_ray(address: str | None = None) -> str:
     return ray.get_runtime_context().gcs_address
 
 
+def resolve_device(placement: RankPlacement) -> RankPlacement:
+    """``device="auto"``: 'gpu' when the cluster has any ``gpu_resource``, else 'cpu' (in place)."""
+    if placement.device == "auto":
+        import ray
+
+        placement.device = "gpu" if ray.cluster_resources().get(placement.gpu_resource, 0) > 0 else "cpu"
+    return placement
+
+
 def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Turn ``distributed_executor_backend="ray"`` plus our options into vLLM engine kwargs.
 
@@ -111,16 +123,11 @@ def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     placement = RankPlacement(**ray_options)
     if placement.ray_address is None:
         placement.ray_address = connect_ray()
-    if placement.device == "auto":
-        import ray
-
-        placement.device = "gpu" if ray.cluster_resources().get(placement.gpu_resource, 0) > 0 else "cpu"
+    resolve_device(placement)
     if placement.placement_group_id is None:
         # Reserved here, in the caller, so an unsatisfiable layout fails fast
         # with a message that reaches the user, instead of inside vLLM's engine
         # core, whose start-up failure only says "see root cause above".
-        from .ray_executor import acquire_placement_group
-
         world = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))
         pg, _ = acquire_placement_group(world, placement)
         placement.placement_group_id = pg.id.hex()
@@ -135,12 +142,85 @@ def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return engine
 
 
+def _bundles(world_size: int, placement: RankPlacement) -> list[dict[str, float]]:
+    bundle: dict[str, float] = {"CPU": placement.cpus_per_rank}
+    if placement.device == "gpu":
+        bundle[placement.gpu_resource] = placement.gpus_per_rank
+    return [dict(bundle) for _ in range(world_size)]
+
+
+def acquire_placement_group(world_size: int, placement: RankPlacement):
+    """The rank bundles' placement group and whether we created it (and must remove it)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from ..errors import PlacementError
+
+    if placement.placement_group_id:
+        pg = placement_group_by_id(placement.placement_group_id)
+        ray.get(pg.ready(), timeout=placement.placement_timeout_s)
+        if len(pg.bundle_specs) < world_size:
+            raise PlacementError(
+                f"placement group {placement.placement_group_id} has {len(pg.bundle_specs)} bundles, "
+                f"but tensor_parallel_size x pipeline_parallel_size = {world_size} ranks need one each."
+            )
+        return pg, False
+    bundles = _bundles(world_size, placement)
+    # Detached: a named, detached deployment's engine outlives the job that
+    # reserved it; the executor (or release_placement_group) removes it.
+    pg = placement_group(bundles, strategy=placement.placement_strategy, lifetime="detached",
+                         name=placement_group_name(placement.engine_name) if placement.engine_name else "")
+    ready, _ = ray.wait([pg.ready()], timeout=placement.placement_timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"could not place {world_size} rank bundles {bundles[0]} with strategy "
+            f"{placement.placement_strategy} within {placement.placement_timeout_s:.0f}s. "
+            f"Cluster total: {ray.cluster_resources()}; available now: {ray.available_resources()}; "
+            f"nodes: {sum(1 for n in ray.nodes() if n['Alive'])}. Lower cpus_per_rank/gpus_per_rank, "
+            "use a looser strategy (PACK/SPREAD), add nodes, or raise placement_timeout_s. Check `ray status`."
+        )
+    return pg, True
+
+
+def placement_group_by_id(hex_id: str):
+    """A handle on an existing placement group from its hex id."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+
+    return PlacementGroup(PlacementGroupID(bytes.fromhex(hex_id)))
+
+
+def placement_group_name(engine_name: str) -> str:
+    """The readable name of a deployment's rank placement group (``ray status``, leak checks)."""
+    return f"{engine_name}.ranks"
+
+
+def remove_named_placement_groups(name: str) -> int:
+    """Remove every live placement group called ``name`` (any namespace); how many were removed.
+
+    A backstop for a deployment whose engine was killed before its executor
+    could remove the group: the group is detached, so nothing else would.
+    """
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    removed = 0
+    for hex_id, entry in ray.util.placement_group_table().items():
+        if entry.get("name") == name and entry.get("state") in ("CREATED", "PENDING", "RESCHEDULING"):
+            try:
+                remove_placement_group(placement_group_by_id(hex_id))
+                removed += 1
+            except Exception:  # removed meanwhile
+                logger.debug("could not remove placement group %s", hex_id, exc_info=True)
+    return removed
+
+
 def release_placement_group(engine_kwargs: dict[str, Any]) -> None:
     """Remove the placement group ``configure_engine_kwargs`` reserved, if it did."""
     placement = (engine_kwargs.get("additional_config") or {}).get(ADDITIONAL_CONFIG_KEY)
     if not placement or not placement.get("owns_placement_group") or not placement.get("placement_group_id"):
         return
-    from .ray_executor import placement_group_by_id
     from ray.util.placement_group import remove_placement_group
 
     try:

@@ -32,13 +32,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import weakref
 from collections import deque
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vllm import envs
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
@@ -48,8 +47,7 @@ from vllm.v1.executor.ray_env_utils import get_driver_env_vars
 from vllm.v1.executor.ray_executor_v2 import RayExecutorV2, RayWorkerHandle, RayWorkerProc
 from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
 
-from ..errors import PlacementError
-from .options import ADDITIONAL_CONFIG_KEY, NAMESPACE, RankPlacement
+from .options import ADDITIONAL_CONFIG_KEY, NAMESPACE, RankPlacement, acquire_placement_group
 from .topology import RankId, cpu_binding_plan
 
 logger = logging.getLogger(__name__)
@@ -106,13 +104,6 @@ def _connect(placement: RankPlacement) -> None:
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
 
 
-def _bundles(world_size: int, placement: RankPlacement) -> list[dict[str, float]]:
-    bundle: dict[str, float] = {"CPU": placement.cpus_per_rank}
-    if placement.device == "gpu":
-        bundle[placement.gpu_resource] = placement.gpus_per_rank
-    return [dict(bundle) for _ in range(world_size)]
-
-
 def _actor_resources(placement: RankPlacement) -> dict[str, Any]:
     """A rank actor's own resource request, inside its bundle (CPUs stay with the bundle)."""
     if placement.device != "gpu":
@@ -120,40 +111,6 @@ def _actor_resources(placement: RankPlacement) -> dict[str, Any]:
     if placement.gpu_resource == "GPU":
         return {"num_cpus": 0, "num_gpus": placement.gpus_per_rank}
     return {"num_cpus": 0, "num_gpus": 0, "resources": {placement.gpu_resource: placement.gpus_per_rank}}
-
-
-def placement_group_by_id(hex_id: str) -> PlacementGroup:
-    from ray._raylet import PlacementGroupID
-
-    return PlacementGroup(PlacementGroupID(bytes.fromhex(hex_id)))
-
-
-def acquire_placement_group(world_size: int, placement: RankPlacement) -> tuple[PlacementGroup, bool]:
-    """The rank bundles' placement group and whether we created it (and must remove it)."""
-    if placement.placement_group_id:
-        pg = placement_group_by_id(placement.placement_group_id)
-        ray.get(pg.ready(), timeout=placement.placement_timeout_s)
-        if len(pg.bundle_specs) < world_size:
-            raise PlacementError(
-                f"placement group {placement.placement_group_id} has {len(pg.bundle_specs)} bundles, "
-                f"but tensor_parallel_size x pipeline_parallel_size = {world_size} ranks need one each."
-            )
-        return pg, False
-    bundles = _bundles(world_size, placement)
-    # Detached: a named, detached deployment's engine outlives the job that
-    # reserved it; the executor (or release_placement_group) removes it.
-    pg = placement_group(bundles, strategy=placement.placement_strategy, lifetime="detached")
-    ready, _ = ray.wait([pg.ready()], timeout=placement.placement_timeout_s)
-    if not ready:
-        remove_placement_group(pg)
-        raise PlacementError(
-            f"could not place {world_size} rank bundles {bundles[0]} with strategy "
-            f"{placement.placement_strategy} within {placement.placement_timeout_s:.0f}s. "
-            f"Cluster total: {ray.cluster_resources()}; available now: {ray.available_resources()}; "
-            f"nodes: {sum(1 for n in ray.nodes() if n['Alive'])}. Lower cpus_per_rank/gpus_per_rank, "
-            "use a looser strategy (PACK/SPREAD), add nodes, or raise placement_timeout_s. Check `ray status`."
-        )
-    return pg, True
 
 
 class NNsightRayExecutor(RayExecutorV2):

@@ -252,78 +252,33 @@ class _Replica:
                 logger.warning("replica %s did not shut down cleanly", self.name, exc_info=True)
 
 
-def _deploy(name: str, prepared: Prepared) -> tuple[dict[str, Any], float]:
-    """Start one engine deployment (no client); its handles and start-up seconds.
-
-    The handles own the (non-detached) actors: dropping them ends the deployment.
-    """
-    from .._internal import deploy
-    from .._internal.options import RAY_OPTION_NAMES, RankPlacement
-
-    engine = prepared.config.engine
-    kwargs = dict(engine.engine_kwargs)
-    merges = int(kwargs.pop("num_merge_actors", 1))
-    placement = RankPlacement(
-        placement_strategy=engine.placement_strategy, cpus_per_rank=engine.cpus_per_rank,
-        gpus_per_rank=engine.gpus_per_rank, **{k: kwargs.pop(k) for k in list(kwargs) if k in RAY_OPTION_NAMES},
-    )
-    kwargs.update(tensor_parallel_size=engine.tensor_parallel_size,
-                  pipeline_parallel_size=engine.pipeline_parallel_size)
-    started = time.monotonic()
-    handles = deploy.deploy(name, prepared.model_path, kwargs, placement, num_merge_actors=merges)
-    return handles, time.monotonic() - started
-
-
 def _start_replicas(indices: Sequence[int], prepared: Prepared, tag: str, generation: int = 0) -> list[_Replica]:
-    """Start engine deployments concurrently, then attach a client to each.
+    """Start the engine deployments together (``RayVLLM.start_many``), one client each.
 
-    Starting an engine is mostly loading weights on its ranks' nodes; N replicas
-    in parallel take about as long as one where nodes are separate. The clients
-    (nnsight meta trees) are built one at a time afterwards: the meta build
-    touches process-wide state (vLLM's process group, rotary caches).
+    Their starts overlap: N replicas take about as long as one where nodes are
+    separate. If one fails, the others are shut down and its error is raised.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from .._internal import deploy
-    from .._internal.options import connect_ray
     from ..ray_vllm import RayVLLM
 
-    connect_ray()
     engine = prepared.config.engine
     names = [f"batch-{tag}-r{i}" + (f"-g{generation}" if generation else "") for i in indices]
     for name in names:
         logger.info("starting engine replica %s (tp=%d, pp=%d, %s)", name, engine.tensor_parallel_size,
                     engine.pipeline_parallel_size, engine.placement_strategy)
-    with ThreadPoolExecutor(max_workers=len(names)) as pool:
-        futures = [pool.submit(_deploy, name, prepared) for name in names]
-    outcomes = []
-    for future in futures:
-        try:
-            outcomes.append(future.result())
-        except BaseException as error:  # noqa: PERF203 - collect every outcome
-            outcomes.append(error)
-    failed = [o for o in outcomes if isinstance(o, BaseException)]
-    replicas: list[_Replica] = []
-    try:
-        if failed:
-            raise failed[0]
-        for index, name, (handles, start_s) in zip(indices, names, outcomes):
-            spec = handles["spec"]
-            kwargs = {k: v for k, v in spec["engine_kwargs"].items()
-                      if k not in ("tensor_parallel_size", "pipeline_parallel_size")}
-            model = RayVLLM(spec["model"], name=name, _handles=handles, **kwargs)
-            replica = _Replica(index, model, owned=True, start_s=start_s)
-            replica.generation = generation
-            replicas.append(replica)
-            logger.info("replica %s ready in %.1f s: %s", name, start_s, _where(replica.topology))
-    except BaseException:
-        for name, outcome in zip(names, outcomes):
-            if not isinstance(outcome, BaseException):
-                try:
-                    deploy.shutdown(outcome[0])
-                except Exception:
-                    logger.warning("could not shut down replica %s", name, exc_info=True)
-        raise
+    started = time.monotonic()
+    models = RayVLLM.start_many(
+        prepared.model_path, {name: {} for name in names}, **engine.engine_kwargs,
+        placement_strategy=engine.placement_strategy, cpus_per_rank=engine.cpus_per_rank,
+        gpus_per_rank=engine.gpus_per_rank, tensor_parallel_size=engine.tensor_parallel_size,
+        pipeline_parallel_size=engine.pipeline_parallel_size,
+    )
+    start_s = time.monotonic() - started
+    replicas = []
+    for index, name in zip(indices, names):
+        replica = _Replica(index, models[name], owned=True, start_s=start_s)
+        replica.generation = generation
+        replicas.append(replica)
+        logger.info("replica %s ready in %.1f s: %s", name, start_s, _where(replica.topology))
     return replicas
 
 

@@ -485,7 +485,7 @@ def head_node():
 
 def test_ray_job_submit_writes_shards_equal_to_local_traces(head_node, local_llama, model_dir, tmp_path):
     prompts = PROMPTS[:6]
-    config = make_config(tmp_path, model_dir, prompts, engine={"replicas": 2, "placement_strategy": "PACK"},
+    config = make_config(tmp_path, model_dir, prompts, engine={"replicas": 1, "placement_strategy": "PACK"},
                          runner={"max_in_flight": 4, "prompts_per_trace": 2, "progress_interval_s": 1})
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -501,4 +501,5 @@ def test_ray_job_submit_writes_shards_equal_to_local_traces(head_node, local_lla
     for row in got:
         check_against_local(local_llama, row, config["saves"])
     replicas = json.loads((tmp_path / "out" / "manifest.json").read_text())["runs"][-1]["replicas"]
-    assert len(replicas) == 2 and all(r["owned"] for r in replicas)
+    # the job started its own engine (several replicas: test_two_replicas_give_the_same_outputs_as_one)
+    assert len(replicas) == 1 and all(r["owned"] for r in replicas)

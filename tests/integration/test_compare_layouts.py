@@ -21,12 +21,17 @@ def our_actors(prefix: str) -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
 
 
-def test_tp2_and_pp2_match_the_single_rank_run_and_say_where_ranks_ran(ray_cluster, model_dir, tmp_path):
+def test_pp2_matches_the_running_single_rank_deployment_and_says_where_ranks_ran(ray_cluster, ray_tp1, model_dir,
+                                                                                 tmp_path):
+    """PP=2 on two raylets against the session's TP=1 deployment (``--reference tp1``: one engine start, not two).
+
+    TP layouts against the single-rank run are checked in test_layouts.py."""
     report_path = tmp_path / "report.json"
     pgs_before = {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", model_dir, "--layouts", "2x1,1x2", "--strategies", "STRICT_SPREAD",
+        [sys.executable, str(SCRIPT), "--model", model_dir, "--layouts", "1x2", "--strategies", "STRICT_SPREAD",
+         "--reference", "tp1",
          "--engine-arg", "dtype=float32", "--engine-arg", "max_model_len=256",
          "--engine-arg", f"kv_cache_memory_bytes={64 << 20}",
          "--prompt", "The quick brown fox", "--prompt", "abc", "--max-tokens", "3", "--repeats", "1",
@@ -37,15 +42,15 @@ def test_tp2_and_pp2_match_the_single_rank_run_and_say_where_ranks_ran(ray_clust
     assert "all layouts match the single-rank run" in done.stdout
 
     report = json.loads(report_path.read_text())
-    assert report["reference"]["status"] == "ran"
-    assert [(e["layout"], e["placement_strategy"]) for e in report["layouts"]] == [
-        ("2x1", "STRICT_SPREAD"), ("1x2", "STRICT_SPREAD")]
+    assert report["reference"]["status"] == "ran" and report["reference"]["connected"]
+    assert "running deployment tp1" in done.stdout
+    assert [(e["layout"], e["placement_strategy"]) for e in report["layouts"]] == [("1x2", "STRICT_SPREAD")]
     nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     for entry in report["layouts"]:
         assert entry["match"] and entry["tokens_equal"], entry
         assert entry["max_rel_err"] < 1e-3
         ranks = [(r["pp_rank"], r["tp_rank"]) for r in entry["ranks"]]
-        assert ranks == ([(0, 0), (0, 1)] if entry["layout"] == "2x1" else [(0, 0), (1, 0)])
+        assert ranks == [(0, 0), (1, 0)]
         # STRICT_SPREAD: each rank on its own raylet, all of them this cluster's
         assert len({r["node_id"] for r in entry["ranks"]}) == 2 and {r["node_id"] for r in entry["ranks"]} <= nodes
         assert all(r["actor_name"] == f"{entry['name']}.pp{r['pp_rank']}.tp{r['tp_rank']}" for r in entry["ranks"])
@@ -53,7 +58,8 @@ def test_tp2_and_pp2_match_the_single_rank_run_and_say_where_ranks_ran(ray_clust
         # the printed table names the layout and every rank's node
         assert all(r["actor_name"] in done.stdout for r in entry["ranks"])
 
-    # every engine it started is gone, with its placement group
+    # every engine it started is gone, with its placement group; the reference still serves
+    assert ray_tp1.topology()
     assert our_actors("compare-") == []
     pgs_after = {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
     assert pgs_after <= pgs_before

@@ -68,7 +68,9 @@ def served(ray_cluster, model_dir):
     from nnsight_ray.serve import build_app
 
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # One proxy: the simulated nodes share 127.0.0.1, so proxies on every node
+    # would share (and fight over) one port (docs/clusters.md, "Pitfalls").
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": model_dir, "engine_kwargs": ENGINE_KWARGS, "num_replicas": 2,
                          "pipeline_parallel_size": 2, "placement_strategy": "SPREAD",
                          "api_key": KEY, "max_body_bytes": MAX_BODY}), name=APP, route_prefix="/")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from nnsight_ray._internal.options import RankPlacement
-from nnsight_ray._internal.ray_executor import _actor_resources, _bundles
+from nnsight_ray._internal.options import _bundles
+from nnsight_ray._internal.ray_executor import _actor_resources
 
 
 @pytest.fixture(autouse=True)

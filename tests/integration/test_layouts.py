@@ -1,14 +1,22 @@
-"""Traces written against the whole model on pipeline-parallel engines (Ray rank actors).
+"""Every multi-rank layout against the single-device engine: Ray rank actors, placement, pipeline traces.
 
-Each case runs the same trace on a pipeline engine and on the single-device
-reference (``local_llama``) and compares: values within 1e-3 relative, the same
-greedy tokens. The tiny Llama has 4 layers, so at ``pipeline_parallel_size=2``
-layers 0-1 (and the embedding) run on stage 0 and layers 2-3, the final norm and
-the logits on stage 1.
+Each case runs the same trace on a multi-rank engine and on the single-device
+reference (``local_llama``, nnsight's in-process engine) and compares: values
+within 1e-3 relative, the same greedy tokens.
 
-Three pipeline layouts, one at a time (a parametrized module fixture, so each
-is shut down before the next starts): PP=2, TP=2 x PP=2, and PP=3, whose middle
-stage both receives recordings and sends them on (layers 0 | 1-2 | 3).
+Layouts, one at a time (a parametrized module fixture: pytest groups the tests
+by layout and shuts each engine down before the next starts):
+
+- ``tp2``: the session's TP=2 RayVLLM, ranks on two raylets (STRICT_SPREAD);
+- ``pp2``: RayVLLM, PP=2 on two raylets (STRICT_SPREAD);
+- ``tp2pp2``: RayVLLM, TP=2 x PP=2 (SPREAD);
+- ``pp3``: ``LocalVLLM(distributed_executor_backend="ray")``, PP=3, whose middle
+  stage both receives recordings and sends them on (layers 0 | 1-2 | 3).
+
+The tiny Llama has 4 layers, so at ``pipeline_parallel_size=2`` layers 0-1 (and
+the embedding) run on stage 0 and layers 2-3, the final norm and the logits on
+stage 1. Rank identities, registered blocks and values run on the layouts with
+more than one rank of RayVLLM; the pipeline traces on every pipelined layout.
 """
 
 from __future__ import annotations
@@ -18,9 +26,10 @@ import sys
 import cloudpickle
 import nnsight
 import pytest
+import ray
 import torch
 
-from conftest import ENGINE_KWARGS, assert_close, request_counts
+from conftest import ENGINE_KWARGS, assert_close, ray_engine, request_counts
 
 pytestmark = pytest.mark.integration
 
@@ -29,39 +38,47 @@ pytestmark = pytest.mark.integration
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 PROMPT = "Hello world"
+PROMPTS = ["Hello world", "The quick brown fox", "abc"]
 N_LAYERS = 4
 
-
 LAYOUTS = {
-    "pp2": {"pipeline_parallel_size": 2},
-    "tp2pp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
-    "pp3": {"pipeline_parallel_size": 3},
+    "tp2": dict(tensor_parallel_size=2, placement_strategy="STRICT_SPREAD"),
+    "pp2": dict(pipeline_parallel_size=2, placement_strategy="STRICT_SPREAD"),
+    "tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2, placement_strategy="SPREAD"),
+    "pp3": dict(pipeline_parallel_size=3, placement_strategy="SPREAD"),
 }
+# The layouts each group of tests runs on (by value: pytest sets each engine up once).
+ray_layouts = pytest.mark.parametrize("engine", ["tp2", "pp2", "tp2pp2"], indirect=True, scope="module")
+pipelines = pytest.mark.parametrize("engine", ["pp2", "tp2pp2", "pp3"], indirect=True, scope="module")
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def pp(request, ray_cluster, model_dir):
-    from nnsight_ray import LocalVLLM
-
-    layout = LAYOUTS[request.param]
+@pytest.fixture(scope="module")
+def engine(request, ray_cluster, model_dir):
+    """``(name, model)`` of one layout; TP=2 is the session's engine (the batch tests use it too)."""
+    name = request.param
+    if name == "tp2":
+        yield name, request.getfixturevalue("ray_tp2")
+        return
     groups_before = live_placement_groups()
-    model = LocalVLLM(
-        model_dir,
-        dispatch=True,
-        distributed_executor_backend="ray",
-        placement_strategy="SPREAD",
-        **layout,
-        **ENGINE_KWARGS,
-    )
-    yield model
+    if name == "pp3":
+        from nnsight_ray import LocalVLLM
+
+        model = LocalVLLM(model_dir, dispatch=True, distributed_executor_backend="ray", **LAYOUTS[name],
+                          **ENGINE_KWARGS)
+    else:
+        model = ray_engine(request, model_dir, name, **LAYOUTS[name])
+    yield name, model
     model.shutdown()
-    # the ranks' placement group was reserved here; shutdown hands it back
+    # the ranks' placement group was reserved by us; shutdown hands it back
     assert live_placement_groups() <= groups_before
 
 
-def live_placement_groups() -> set[str]:
-    import ray
+@pytest.fixture
+def pp(engine):
+    return engine[1]
 
+
+def live_placement_groups() -> set[str]:
     return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}
 
 
@@ -73,9 +90,11 @@ def ref(local_llama):
 @pytest.fixture(autouse=True)
 def no_requests_left_behind(request):
     yield
-    for name in ("pp", "local_llama"):
+    for name in ("pp", "local_llama", "ray_tp1"):
         if name in request.fixturenames:
-            counts = request_counts(request.getfixturevalue(name))
+            # `pp` is torn down by now; its engine (the module's) is not
+            model = request.getfixturevalue("engine")[1] if name == "pp" else request.getfixturevalue(name)
+            counts = request_counts(model)
             assert counts and all(count == 0 for count in counts), f"{name}: requests left tracked: {counts}"
 
 
@@ -83,6 +102,117 @@ def residual(model, i: int) -> torch.Tensor:
     """Layer ``i``'s residual stream (vLLM's Llama layer returns ``(hidden, residual)``)."""
     out = model.model.layers[i].output
     return (out[0] + out[1]).clone()
+
+
+# --- 0. rank actors: placement, identities, values against one device --------
+
+
+def residual_trace(model, prompt: str, max_tokens: int = 3) -> dict:
+    """Prefill residual stream of every layer, the first logits, the greedy tokens."""
+    with model.trace(prompt, temperature=0.0, max_tokens=max_tokens) as tracer:
+        layers = nnsight.save([
+            (model.model.layers[i].output[0] + model.model.layers[i].output[1]).clone()
+            for i in range(N_LAYERS)
+        ])
+        logits = model.logits.clone().save()
+        result = tracer.result.save()
+    return {"layers": layers, "logits": logits, "tokens": list(result.outputs[0].token_ids)}
+
+
+@pytest.fixture(scope="module")
+def reference(local_llama):
+    return {p: residual_trace(local_llama, p) for p in PROMPTS}
+
+
+def check_against(reference, model) -> None:
+    for prompt in PROMPTS:
+        got, want = residual_trace(model, prompt), reference[prompt]
+        assert got["tokens"] == want["tokens"]
+        assert_close(got["logits"], want["logits"])
+        for layer in range(N_LAYERS):
+            assert_close(got["layers"][layer], want["layers"][layer])
+    assert request_counts(model) == [0] * len(request_counts(model))
+
+
+def test_local_vllm_reference_is_self_consistent(reference):
+    want = reference[PROMPTS[0]]
+    assert int(want["logits"].argmax(-1)[-1]) == want["tokens"][0]
+
+
+def test_single_rank_ray_engine_matches_local(ray_tp1, reference):
+    check_against(reference, ray_tp1)
+
+
+@ray_layouts
+def test_topology_names_ranks_and_spreads_nodes(engine):
+    name, model = engine
+    tp, pp = LAYOUTS[name].get("tensor_parallel_size", 1), LAYOUTS[name].get("pipeline_parallel_size", 1)
+    topology = model.topology()
+    assert [(t["pp_rank"], t["tp_rank"]) for t in topology] == [(p, t) for p in range(pp) for t in range(tp)]
+    assert [t["actor_name"] for t in topology] == [f"{name}.pp{p}.tp{t}" for p in range(pp) for t in range(tp)]
+    nodes = [t["node_id"] for t in topology]
+    if LAYOUTS[name]["placement_strategy"] == "STRICT_SPREAD":
+        assert len(set(nodes)) == len(nodes), "STRICT_SPREAD put two ranks on one node"
+    else:
+        assert len(set(nodes)) >= 2
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert set(nodes) <= alive
+
+
+@ray_layouts
+def test_layout_matches_single_device(engine, reference):
+    check_against(reference, engine[1])
+
+
+@ray_layouts
+def test_registered_block_reads_first_and_last_stage(engine, local_llama):
+    _, model = engine
+    prompts = ["Hello", "World!"]
+    with model.edit() as (tracer, edit):
+        first = model.model.layers[0].output[0].clone().save()
+        last = model.model.layers[3].output[0].clone().save()
+    try:
+        outputs = model.generate(prompts, max_tokens=2, temperature=0.0)
+    finally:
+        edit.clear()
+    for prompt, output in zip(prompts, outputs):
+        with local_llama.trace(prompt, temperature=0.0, max_tokens=1):
+            want_first = local_llama.model.layers[0].output[0].clone().save()
+            want_last = local_llama.model.layers[3].output[0].clone().save()
+        assert_close(output.saves["first"], want_first)
+        assert_close(output.saves["last"], want_last)
+    after = model.generate(prompts, max_tokens=1, temperature=0.0)
+    assert all(not o.saves for o in after)
+    counts = request_counts(model)
+    assert counts == [0] * len(counts)
+
+
+def test_unsatisfiable_placement_fails_fast_with_what_was_asked(ray_cluster, model_dir):
+    import time
+
+    from nnsight_ray import RayVLLM
+    from nnsight_ray.errors import PlacementError
+
+    groups_before = live_placement_groups()
+    started = time.monotonic()
+    with pytest.raises(PlacementError) as info:
+        RayVLLM(model_dir, name="too-big", tensor_parallel_size=2, cpus_per_rank=64,
+                placement_timeout_s=3, **ENGINE_KWARGS)
+    # reserved before any actor starts: the timeout plus a little, not an engine start
+    assert time.monotonic() - started < 15
+    message = str(info.value)
+    assert "'CPU': 64" in message and "STRICT" not in message or "PACK" in message
+    assert "Cluster total" in message
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("too-big.")]
+    assert live_placement_groups() <= groups_before
+
+    # start_many: the same error, and nothing of the batch is left running
+    with pytest.raises(PlacementError, match="Cluster total"):
+        RayVLLM.start_many(model_dir, {"too-big": {"cpus_per_rank": 64, "placement_timeout_s": 3},
+                                       "never": {}}, **ENGINE_KWARGS)
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(("too-big.", "never."))]
+    assert live_placement_groups() <= groups_before
 
 
 # --- 1. reads on every stage -------------------------------------------------
@@ -106,6 +236,7 @@ def read_everything(model, prompt: str = PROMPT) -> dict:
     }
 
 
+@pipelines
 def test_reads_on_every_stage(pp, ref):
     got, want = read_everything(pp), read_everything(ref)
     assert got["tokens"] == want["tokens"]
@@ -123,6 +254,7 @@ def nnsight_ghost_type() -> type:
     return Ghost
 
 
+@pipelines
 def test_several_prompts_in_one_trace(pp, ref):
     def run(model):
         with model.trace(temperature=0.0, max_tokens=1) as tracer:
@@ -160,6 +292,7 @@ def swap_second_layer(model):
     model.model.layers[1].output = (hidden * -1.0, res)
 
 
+@pipelines
 @pytest.mark.parametrize("edit", [scale_first_layer, swap_second_layer])
 def test_edit_on_first_stage_changes_later_stages(pp, ref, edit):
     got, want = edited(pp, edit), edited(ref, edit)
@@ -171,6 +304,7 @@ def test_edit_on_first_stage_changes_later_stages(pp, ref, edit):
         assert_close(g, w)
 
 
+@pipelines
 def test_edit_on_last_stage(pp, ref):
     def zero_layer_two(model):
         model.model.layers[2].output[0][:] = 0
@@ -183,6 +317,7 @@ def test_edit_on_last_stage(pp, ref):
 # --- 3. cross-stage dependencies ------------------------------------------------
 
 
+@pipelines
 def test_value_from_stage_zero_used_on_stage_one(pp, ref):
     def add_layer_one(model):
         h = model.model.layers[1].output[0].clone()
@@ -197,6 +332,7 @@ def test_value_from_stage_zero_used_on_stage_one(pp, ref):
         assert_close(g, w)
 
 
+@pipelines
 def test_later_value_read_from_earlier_code_is_ordered_by_the_forward(pp, ref):
     """Reading layer 3 and then layer 0 in one step is out of order on one device, and here."""
 
@@ -231,6 +367,7 @@ def generate_all(model, steps: int = 4) -> dict:
     return {"early": early, "late": late, "logits": logits, "samples": samples}
 
 
+@pipelines
 def test_generation_all_steps_on_both_stages(pp, ref):
     got, want = generate_all(pp), generate_all(ref)
     assert len(got["early"]) == len(want["early"]) == 4
@@ -240,6 +377,7 @@ def test_generation_all_steps_on_both_stages(pp, ref):
             assert_close(g, w), (key, step)
 
 
+@pipelines
 def test_generation_with_a_dependency_every_step(pp, ref):
     def run(model):
         with model.trace("Hello", temperature=0.0, max_tokens=4) as tracer:
@@ -258,6 +396,7 @@ def test_generation_with_a_dependency_every_step(pp, ref):
         assert_close(g, w)
 
 
+@pipelines
 def test_iter_selected_steps(pp, ref):
     def run(model):
         with model.trace("Hello", temperature=0.0, max_tokens=4) as tracer:
@@ -275,6 +414,7 @@ def test_iter_selected_steps(pp, ref):
         assert_close(g, w)
 
 
+@pipelines
 def test_registered_block_spanning_stages(pp, ref):
     def run(model):
         with model.edit() as (tracer, edit):
@@ -298,6 +438,7 @@ def test_registered_block_spanning_stages(pp, ref):
 # --- 5. clear failures ------------------------------------------------------------
 
 
+@pipelines
 def test_error_on_second_stage_reaches_the_caller(pp):
     from nnsight_ray.errors import RequestError
 
@@ -309,6 +450,7 @@ def test_error_on_second_stage_reaches_the_caller(pp):
     assert read_everything(pp)["tokens"]
 
 
+@pipelines
 def test_edit_from_a_later_stages_value_fails_clearly(pp):
     from nnsight_ray.errors import RequestError
 
@@ -324,6 +466,7 @@ def test_edit_from_a_later_stages_value_fails_clearly(pp):
     assert "model.model.layers.0.output on pipeline stage 0 depends on model.model.layers.3.output" in text
 
 
+@pipelines
 def test_control_flow_on_a_later_stages_value_fails_clearly(pp, ref):
     def run(model):
         with model.trace("Hello", temperature=0.0, max_tokens=3) as tracer:
@@ -340,3 +483,49 @@ def test_control_flow_on_a_later_stages_value_fails_clearly(pp, ref):
     text = str(caught.value)
     assert "PipelineDependencyError" in text and "needs the value of model.model.layers.1.output" in text
     assert "at step 1" in text and "GhostStop: bool() of model.model.layers.3.output" in text
+
+
+# --- 6. a rank that dies (last on pp2: it kills that engine) ----------------------
+
+
+@pytest.mark.parametrize("engine", ["pp2"], indirect=True, scope="module")
+def test_killed_rank_fails_pending_requests_and_engine_rebuilds(engine, model_dir):
+    """Stage 1's rank dies mid-generation: pending and new requests fail fast, naming it and its node.
+
+    The last test on the ``pp2`` engine (pytest runs a layout's tests in file
+    order); the rebuilt deployment takes the same name and serves.
+    """
+    import time
+
+    from nnsight_ray import RayVLLM
+    from nnsight_ray.errors import EngineDeadError
+
+    name, victim = engine
+    dead = victim.topology()[1]
+    with victim.trace("Hello world", temperature=0.0, max_tokens=200, ignore_eos=True, blocking=False) as tracer:
+        victim.model.layers[0].output[0].save()
+    time.sleep(1.0)  # let it start generating
+    ray.kill(ray.get_actor(dead["actor_name"], namespace="nnsight_ray"))
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError) as info:
+        tracer.collect(timeout=90)
+    assert time.monotonic() - started < 60
+    message = str(info.value)
+    assert dead["actor_name"] in message and dead["node_id"] in message
+    assert victim.health()["alive"] is False
+    # New requests fail at once with the same explanation, rather than hanging.
+    with pytest.raises(EngineDeadError):
+        with victim.trace("Hello", temperature=0.0, max_tokens=1):
+            victim.model.layers[0].output[0].save()
+    victim.shutdown()
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert not [n for n in names if n.startswith(f"{name}.")]
+
+    rebuilt = RayVLLM(model_dir, name=name, **LAYOUTS[name], **ENGINE_KWARGS)
+    try:
+        with rebuilt.trace("Hello", temperature=0.0, max_tokens=1):
+            hidden = rebuilt.model.layers[3].output[0].save()
+        assert hidden.shape[-1] == 128
+        assert rebuilt.request_counts() == [0, 0]
+    finally:
+        rebuilt.shutdown()
