@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 import zlib
 from typing import Any
@@ -55,6 +56,13 @@ def merge_index(group: str, shards: int) -> int:
     return zlib.crc32(group.encode()) % shards
 
 
+def _import_rank_class() -> None:
+    try:
+        from . import ray_executor  # noqa: F401
+    except Exception:  # only a warm-up: set_ranks reports a real problem
+        logger.debug("could not import the rank actor class", exc_info=True)
+
+
 class MergeActor:
     """Takes each finished request's payloads from every rank, merges, resolves callers."""
 
@@ -67,6 +75,10 @@ class MergeActor:
         self.requests_merged = 0  # finished requests handed over by the engine
         self.groups_expired = 0  # dropped by the sweep: caller gone, or never came for them
         self._sweeper: asyncio.Task | None = None
+        # A handle on a rank actor (set_ranks) loads the rank's class, whose
+        # module imports vLLM: ~7 s on the engine's start-up path if left until
+        # then. Import it now, while the engine actor is still starting vLLM.
+        threading.Thread(target=_import_rank_class, name="nnsight-ray-prewarm", daemon=True).start()
 
     def set_ranks(self, actor_names: list[str]) -> None:
         """Rank actors in rank order (rank = pp * tp_size + tp): the merge order."""
@@ -179,17 +191,23 @@ class EngineActor:
         kwargs.update(distributed_executor_backend="ray", **self.spec["placement"])
         kwargs = configure_engine_kwargs(kwargs)
         self._engine_kwargs = kwargs
+        began = time.monotonic()
         try:
             args = AsyncEngineArgs(model=self.spec["model"], worker_cls=platform.worker_cls(), enforce_eager=True, **kwargs)
             llm = AsyncLLM.from_engine_args(args)
         except BaseException:
             release_placement_group(kwargs)
             raise
+        vllm_up = time.monotonic()
         self.merges = [ray.get_actor(n, namespace=NAMESPACE) for n in self.spec["merge_names"]]
         self.core = EngineCore(llm, self._notify, self._describe_dead)
         self.topology = await llm.collective_rpc("nnsight_ray_describe")
+        described = time.monotonic()
         names = [t["actor_name"] for t in sorted(self.topology, key=lambda t: t["rank"])]
         await asyncio.gather(*(m.set_ranks.remote(names) for m in self.merges))
+        logger.info("engine %s: imports %.1f s, vLLM engine %.1f s, describe %.1f s, merges %.1f s",
+                    self.spec["name"], began - self.started, vllm_up - began, described - vllm_up,
+                    time.monotonic() - described)
         self._watcher = asyncio.ensure_future(self._watch_ranks())
         logger.info("engine %s ready: %d ranks", self.spec["name"], len(names))
         return self.topology
