@@ -46,6 +46,9 @@ set -euo pipefail
 
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 export RAY_USAGE_STATS_ENABLED=0
+# Serve's one proxy (serve.yaml: HeadOnly) would otherwise send every request to
+# a replica on its own "node"; here every node is this machine.
+export RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING=0
 
 PORT="${NNSIGHT_RAY_LOCAL_PORT:-6390}"
 DASHBOARD_PORT="${NNSIGHT_RAY_DASHBOARD_PORT:-8265}"

@@ -13,13 +13,20 @@ Parts (pick with ``--parts``; default all):
               traces saving every layer's output at every generated token
               (``tracer.all()``) vs the same reads not saved (target <= 1.25x:
               collection is off the loop) and vs no intervention at all.
+``stall``     What the issue's loop target is about, measured directly: the step
+              time of an unrelated request streaming alongside back-to-back
+              heavy-save traces (the ``loop`` workload), with the heavy traces'
+              reads saved vs the same reads not saved. Everything the engine
+              loop does for collection between forward steps shows up in the
+              other request's step time; the merge and the caller's
+              deserialization do not. Target <= 1.25x.
 ``bytes``     Saved-bytes throughput rank -> caller (MB/s): RayVLLM non-blocking
               traces vs nnsight's own ``serve=`` HTTP server (nnsight's FastAPI app
               on the CPU engine), both saving every layer's output of a long prompt.
 
 Usage::
 
-    python scripts/bench_ray_engine.py [--parts executor,rayvllm,loop,bytes] [--prompts 64] [--tokens 16]
+    python scripts/bench_ray_engine.py [--parts executor,rayvllm,loop,stall,bytes] [--prompts 64] [--tokens 16]
 
 Example (what docs/performance.md reports)::
 
@@ -155,6 +162,73 @@ def part_loop(remote, n: int = 16, tokens: int = 32) -> dict:
             "loop_ms": ms}
 
 
+def part_stall(remote, n: int = 16, tokens: int = 32, probe_tokens: int = 160, rounds: int = 3) -> dict:
+    """Step time of a streamed request while heavy-save traces run and finish beside it.
+
+    One thread, one event loop: the heavy traces are submitted non-blocking one
+    after another (each awaited before the next), the probe streams meanwhile.
+    """
+    import asyncio
+
+    import nnsight
+
+    from nnsight_ray import RayVLLM
+
+    probe_model = RayVLLM.connect(remote.name, mode="async")
+    work = prompts(n, 48)
+
+    def heavy(mode: str):
+        with remote.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, blocking=False) as tracer:
+            for prompt in work:
+                with tracer.invoke(prompt):
+                    saves = nnsight.save([]) if mode == "save" else []
+                    for _ in tracer.all():
+                        for i in range(4):
+                            saves.append(remote.model.layers[i].output[0].clone())
+        return tracer
+
+    async def measure(mode: str) -> tuple[float, float, int]:
+        with probe_model.trace("probe: a plain request", temperature=0.0, max_tokens=probe_tokens,
+                               ignore_eos=True) as probe:
+            probe_model.model.layers[0].output[0].shape  # reads nothing back
+        stamps: list[float] = []
+
+        async def consume():
+            async for _ in probe.backend:
+                stamps.append(time.perf_counter())
+
+        streaming = asyncio.ensure_future(consume())
+        finished = 0
+        while not streaming.done():
+            await heavy(mode).ref
+            finished += 1
+        await streaming
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        return statistics.mean(gaps), max(gaps), finished
+
+    async def all_rounds():
+        await heavy("save").ref  # warm both paths
+        await heavy("read").ref
+        runs = {"save": [], "read": []}
+        for _ in range(rounds):  # interleaved, so drift hits both alike
+            for mode in ("save", "read"):
+                runs[mode].append(await measure(mode))
+        return runs
+
+    runs = asyncio.run(all_rounds())
+    mean = {mode: statistics.median(r[0] for r in values) * 1000 for mode, values in runs.items()}
+    worst = {mode: max(r[1] for r in values) * 1000 for mode, values in runs.items()}
+    traces = {mode: sum(r[2] for r in values) for mode, values in runs.items()}
+    print(f"[stall] a request streaming {probe_tokens} tokens beside back-to-back traces of {n} requests x "
+          f"{tokens} tokens reading every layer at every token ({rounds} rounds, median of means)")
+    print(f"  its step time: heavy reads saved {mean['save']:6.1f} ms (worst gap {worst['save']:.0f} ms, "
+          f"{traces['save']} heavy traces finished)   not saved {mean['read']:6.1f} ms (worst gap "
+          f"{worst['read']:.0f} ms, {traces['read']} traces)")
+    print(f"  ratio saved/not saved = {mean['save'] / mean['read']:.2f}x (collection's cost on the loop; "
+          f"target <= 1.25x)")
+    return {"stall_saved_over_read": mean["save"] / mean["read"], "stall_ms": mean, "stall_worst_ms": worst}
+
+
 def part_bytes(model_dir: str, remote, n: int = 32) -> dict:
     import importlib.util
 
@@ -208,7 +282,7 @@ def part_bytes(model_dir: str, remote, n: int = 32) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="executor,rayvllm,loop,bytes")
+    parser.add_argument("--parts", default="executor,rayvllm,loop,stall,bytes")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--model-dir", default=None)
@@ -225,7 +299,7 @@ def main() -> None:
     results = {}
     if "executor" in parts:
         results.update(part_executor(model_dir, args))
-    if parts & {"rayvllm", "loop", "bytes"}:
+    if parts & {"rayvllm", "loop", "stall", "bytes"}:
         from nnsight_ray import LocalVLLM, RayVLLM
 
         remote = RayVLLM(model_dir, name="bench", **ENGINE)
@@ -235,6 +309,8 @@ def main() -> None:
             shutdown_local(local)
         if "loop" in parts:
             results.update(part_loop(remote))
+        if "stall" in parts:
+            results.update(part_stall(remote))
         if "bytes" in parts:
             results.update(part_bytes(model_dir, remote))
         remote.shutdown()

@@ -15,6 +15,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Results of a caller that died are dropped after this long (30 s by default);
 # forwarded to the merge actors. No test leaves a live caller's result waiting.
 os.environ.setdefault("NNSIGHT_RAY_ABANDON_AFTER_S", "10")
+# The Serve tests run one proxy (HeadOnly: the raylets share 127.0.0.1). By
+# default it prefers replicas on its own node, which would leave the other
+# replica idle; on one machine "local" means nothing (inherited by the raylets).
+os.environ.setdefault("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
 
 import nnsight_ray  # noqa: F401  (first: it defines anyio's attribute sets before nnsight loads)
 import pytest
