@@ -162,60 +162,64 @@ def part_loop(remote, n: int = 16, tokens: int = 32) -> dict:
             "loop_ms": ms}
 
 
-def part_stall(remote, n: int = 16, tokens: int = 32, probe_tokens: int = 160, rounds: int = 3) -> dict:
-    """Step time of a streamed request while heavy-save traces run and finish beside it.
-
-    One thread, one event loop: the heavy traces are submitted non-blocking one
-    after another (each awaited before the next), the probe streams meanwhile.
-    """
+def _probe_gaps(name: str, probe_tokens: int) -> list[float]:
+    """In its own process (a Ray task): stream a request and return the gaps between its steps."""
     import asyncio
-
-    import nnsight
 
     from nnsight_ray import RayVLLM
 
-    probe_model = RayVLLM.connect(remote.name, mode="async")
+    model = RayVLLM.connect(name, mode="async")
+
+    async def run() -> list[float]:
+        with model.trace("probe: a plain request", temperature=0.0, max_tokens=probe_tokens,
+                         ignore_eos=True) as probe:
+            model.model.layers[0].output[0].shape  # reads nothing back
+        stamps = []
+        async for _ in probe.backend:
+            stamps.append(time.perf_counter())
+        return [b - a for a, b in zip(stamps, stamps[1:])]
+
+    return asyncio.run(run())
+
+
+def part_stall(remote, n: int = 16, tokens: int = 32, probe_tokens: int = 160, rounds: int = 3) -> dict:
+    """Step time of a streamed request while heavy-save traces run and finish beside it.
+
+    The probe streams from its own process (a Ray task), so nothing this
+    process does (building traces, deserializing saves) shows up in its gaps:
+    only what the engine loop does between its steps.
+    """
+    import nnsight
+    import ray
+
+    probe = ray.remote(num_cpus=0)(_probe_gaps)
     work = prompts(n, 48)
 
-    def heavy(mode: str):
-        with remote.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, blocking=False) as tracer:
+    def heavy(mode: str) -> None:
+        with remote.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True) as tracer:
             for prompt in work:
                 with tracer.invoke(prompt):
                     saves = nnsight.save([]) if mode == "save" else []
                     for _ in tracer.all():
                         for i in range(4):
                             saves.append(remote.model.layers[i].output[0].clone())
-        return tracer
 
-    async def measure(mode: str) -> tuple[float, float, int]:
-        with probe_model.trace("probe: a plain request", temperature=0.0, max_tokens=probe_tokens,
-                               ignore_eos=True) as probe:
-            probe_model.model.layers[0].output[0].shape  # reads nothing back
-        stamps: list[float] = []
-
-        async def consume():
-            async for _ in probe.backend:
-                stamps.append(time.perf_counter())
-
-        streaming = asyncio.ensure_future(consume())
+    def measure(mode: str) -> tuple[float, float, int]:
+        ref = probe.remote(remote.name, probe_tokens)
         finished = 0
-        while not streaming.done():
-            await heavy(mode).ref
+        while not ray.wait([ref], timeout=0)[0]:
+            heavy(mode)
             finished += 1
-        await streaming
-        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        gaps = ray.get(ref)
         return statistics.mean(gaps), max(gaps), finished
 
-    async def all_rounds():
-        await heavy("save").ref  # warm both paths
-        await heavy("read").ref
-        runs = {"save": [], "read": []}
-        for _ in range(rounds):  # interleaved, so drift hits both alike
-            for mode in ("save", "read"):
-                runs[mode].append(await measure(mode))
-        return runs
-
-    runs = asyncio.run(all_rounds())
+    ray.get(probe.remote(remote.name, 4))  # a warm worker for the probe
+    heavy("save")
+    heavy("read")
+    runs = {"save": [], "read": []}
+    for _ in range(rounds):  # interleaved, so drift hits both alike
+        for mode in ("save", "read"):
+            runs[mode].append(measure(mode))
     mean = {mode: statistics.median(r[0] for r in values) * 1000 for mode, values in runs.items()}
     worst = {mode: max(r[1] for r in values) * 1000 for mode, values in runs.items()}
     traces = {mode: sum(r[2] for r in values) for mode, values in runs.items()}
