@@ -26,8 +26,7 @@ import ray
 
 from ..errors import EngineDeadError, RequestError
 from .merge import Group, merge_request, trace_result
-from .options import (NAMESPACE, RankPlacement, acquire_placement_group, placement_group_name,
-                      remove_named_placement_groups, resolve_device)
+from .options import NAMESPACE, RankPlacement, placement_group_name, remove_named_placement_groups, reserve_placement_group
 from .topology import RankId
 
 logger = logging.getLogger(__name__)
@@ -171,7 +170,6 @@ class EngineActor:
         self.topology: list[dict[str, Any]] = []
         self.merges: list[Any] = []
         self.started = time.monotonic()
-        self._engine_kwargs: dict[str, Any] = {}
 
     async def start(self) -> list[dict[str, Any]]:
         from nnsight.modeling.vllm.vllm import VLLM
@@ -190,7 +188,6 @@ class EngineActor:
         kwargs.setdefault("enable_prefix_caching", False)
         kwargs.update(distributed_executor_backend="ray", **self.spec["placement"])
         kwargs = configure_engine_kwargs(kwargs)
-        self._engine_kwargs = kwargs
         began = time.monotonic()
         try:
             args = AsyncEngineArgs(model=self.spec["model"], worker_cls=platform.worker_cls(), enforce_eager=True, **kwargs)
@@ -311,15 +308,10 @@ class EngineActor:
                 "uptime_s": time.monotonic() - self.started}
 
     async def shutdown(self) -> None:
-        from .options import release_placement_group
-
-        try:
-            if self.core is not None:
-                self.core.llm.shutdown()
-        finally:
-            # vLLM may stop its engine-core process before the executor removes
-            # the (detached) rank placement group; remove it here too.
-            release_placement_group(self._engine_kwargs)
+        # The executor removes the rank placement group; if vLLM stopped its
+        # engine core first, deploy.shutdown removes it by name afterwards.
+        if self.core is not None:
+            self.core.llm.shutdown()
 
 
 def deploy(name: str, model: str, engine_kwargs: dict[str, Any], placement: RankPlacement,
@@ -356,13 +348,10 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
             f"a deployment named {name!r} already runs in namespace {NAMESPACE!r} ({actor_name}); "
             f"attach with RayVLLM.connect({name!r}), shut it down, or pick another name."
         )
-    if placement.placement_group_id is None:
-        # Reserved here, before any actor starts: an unsatisfiable layout fails in
-        # seconds with what the cluster has, not after an engine actor has loaded
-        # vLLM. The engine removes it at shutdown (owns_placement_group).
-        world = int(engine_kwargs.get("tensor_parallel_size", 1)) * int(engine_kwargs.get("pipeline_parallel_size", 1))
-        pg, _ = acquire_placement_group(world, resolve_device(placement))
-        placement = placement.model_copy(update={"placement_group_id": pg.id.hex(), "owns_placement_group": True})
+    # Reserved here, before any actor starts: an unsatisfiable layout fails in
+    # seconds with what the cluster has, not after an engine actor has loaded
+    # vLLM. The engine removes it at shutdown (owns_placement_group).
+    placement = reserve_placement_group(placement, engine_kwargs)
     runtime_env = {"env_vars": forwarded_env()}
     merges = [
         ray.remote(MergeActor).options(name=n, namespace=NAMESPACE, lifetime=lifetime, num_cpus=0,

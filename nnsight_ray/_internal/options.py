@@ -124,14 +124,10 @@ def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     if placement.ray_address is None:
         placement.ray_address = connect_ray()
     resolve_device(placement)
-    if placement.placement_group_id is None:
-        # Reserved here, in the caller, so an unsatisfiable layout fails fast
-        # with a message that reaches the user, instead of inside vLLM's engine
-        # core, whose start-up failure only says "see root cause above".
-        world = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))
-        pg, _ = acquire_placement_group(world, placement)
-        placement.placement_group_id = pg.id.hex()
-        placement.owns_placement_group = True
+    # Reserved here, in the caller, so an unsatisfiable layout fails fast with a
+    # message that reaches the user, instead of inside vLLM's engine core, whose
+    # start-up failure only says "see root cause above".
+    placement = reserve_placement_group(placement, engine)
     # The class, not its import path: vLLM reads `supports_pp` off it before it
     # would resolve a path, and refuses pipeline parallelism otherwise.
     engine["distributed_executor_backend"] = NNsightRayExecutor
@@ -140,6 +136,15 @@ def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         ADDITIONAL_CONFIG_KEY: placement.model_dump(),
     }
     return engine
+
+
+def reserve_placement_group(placement: RankPlacement, engine_kwargs: dict[str, Any]) -> RankPlacement:
+    """``placement`` holding its own reserved group (``owns_placement_group``), unless it names one already."""
+    if placement.placement_group_id is not None:
+        return placement
+    world = int(engine_kwargs.get("tensor_parallel_size", 1)) * int(engine_kwargs.get("pipeline_parallel_size", 1))
+    pg, _ = acquire_placement_group(world, resolve_device(placement))
+    return placement.model_copy(update={"placement_group_id": pg.id.hex(), "owns_placement_group": True})
 
 
 def _bundles(world_size: int, placement: RankPlacement) -> list[dict[str, float]]:
