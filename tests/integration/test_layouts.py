@@ -21,6 +21,7 @@ more than one rank of RayVLLM; the pipeline traces on every pipelined layout.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import cloudpickle
@@ -60,6 +61,7 @@ def engine(request, ray_cluster, model_dir):
         yield name, request.getfixturevalue("ray_tp2")
         return
     groups_before = live_placement_groups()
+    shm_before = cpu_shm_segments()
     if name == "pp3":
         from nnsight_ray import LocalVLLM
 
@@ -67,6 +69,9 @@ def engine(request, ray_cluster, model_dir):
                           **ENGINE_KWARGS)
     else:
         model = ray_engine(request, model_dir, name, **LAYOUTS[name])
+    # vLLM's CPU communicator leaves one /dev/shm segment per rank and group;
+    # the ranks unlink theirs once every member has joined (cpu_worker.py)
+    assert cpu_shm_segments() <= shm_before
     yield name, model
     model.shutdown()
     # the ranks' placement group was reserved by us; shutdown hands it back
@@ -76,6 +81,10 @@ def engine(request, ray_cluster, model_dir):
 @pytest.fixture
 def pp(engine):
     return engine[1]
+
+
+def cpu_shm_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if "-cpushm_" in name}
 
 
 def live_placement_groups() -> set[str]:
