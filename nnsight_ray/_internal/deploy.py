@@ -146,14 +146,18 @@ class MergeActor:
         state = await self._wait(group, size)
         if state.error is not None:
             raise state.error
-        return state.ordered()
+        from .payload import Packed  # Ray writes the saves with the fast tensor path
+
+        return Packed(state.ordered())
 
     async def trace(self, group: str, size: int, presaved: set[str]) -> dict[str, Any]:
         """``{"saves": {name: value}, "error": deferred}`` for a non-blocking trace."""
         state = await self._wait(group, size)
         if state.error is not None:
             raise state.error
-        return trace_result(state.ordered(), presaved)
+        from .payload import Packed
+
+        return Packed(trace_result(state.ordered(), presaved))
 
     def stats(self) -> dict[str, Any]:
         self._sweep()
@@ -305,11 +309,14 @@ class EngineActor:
         if core.dead is None and getattr(core.llm, "errored", False):
             await core._explain(RuntimeError("engine errored"))
         return {"alive": core.dead is None, "error": None if core.dead is None else str(core.dead),
-                "uptime_s": time.monotonic() - self.started}
+                "uptime_s": time.monotonic() - self.started, "collect": dict(core.collect_stats)}
 
     async def shutdown(self) -> None:
         # The executor removes the rank placement group; if vLLM stopped its
         # engine core first, deploy.shutdown removes it by name afterwards.
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:  # ranks stopping now are not a failure to report
+            watcher.cancel()
         if self.core is not None:
             self.core.llm.shutdown()
 

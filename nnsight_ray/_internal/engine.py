@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import time
 import uuid
 from typing import Any, Awaitable, Callable
 
@@ -50,6 +51,9 @@ class EngineCore:
         self._pending: list[Report] = []
         self._flush: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        # Time the loop spent in collection: the stash RPCs, during which vLLM's
+        # engine core runs no step (health() reports it; see the stall benchmark).
+        self.collect_stats = {"calls": 0, "requests": 0, "seconds": 0.0, "max_s": 0.0}
 
     # -- submit -------------------------------------------------------------
 
@@ -120,6 +124,7 @@ class EngineCore:
             if self.dead is None:
                 ids = [rid for _, _, rid, _, _ in batch]
                 outputs = {rid: out for _, _, rid, out, _ in batch if out is not None}
+                began = time.perf_counter()
                 try:
                     await self.llm.collective_rpc(
                         "nnsight_ray_stash", args=(ids, pickle.dumps(outputs) if outputs else None)
@@ -127,6 +132,12 @@ class EngineCore:
                 except Exception as exception:
                     failure = await self._explain(exception)
                     batch = [(g, i, rid, None, err or failure) for g, i, rid, _, err in batch]
+                spent = time.perf_counter() - began
+                stats = self.collect_stats
+                stats["calls"] += 1
+                stats["requests"] += len(ids)
+                stats["seconds"] += spent
+                stats["max_s"] = max(stats["max_s"], spent)
             else:
                 batch = [(g, i, rid, None, err or self.dead) for g, i, rid, _, err in batch]
             self.notify(batch)

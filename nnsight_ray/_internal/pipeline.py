@@ -1097,7 +1097,9 @@ class StageRunnerMixin:
             return payload
         # Every stage reports its trace's values (nnsight: global rank 0 only),
         # with any name that holds a ghost left to the stage that has it.
-        collected = pickle.loads(payload) if payload else {}
+        # nnsight pickles the dict, except inside `payload.unserialized()`.
+        serialized = isinstance(payload, bytes)
+        collected = (pickle.loads(payload) if serialized else payload) or {}
         for request, (engine_id, index) in tracked:
             entry = collected.setdefault(engine_id, {"saves": {}, "error": None, "registered": {}, "sequences": {}})
             sequence = entry["sequences"].setdefault(index, {"saves": {}, "registered": {}})
@@ -1108,7 +1110,7 @@ class StageRunnerMixin:
             primary = entry["sequences"].get(0)
             if primary is not None:
                 entry["saves"], entry["registered"] = primary["saves"], primary["registered"]
-        return dumps_compact(collected)
+        return dumps_compact(collected) if serialized else collected
 
 
 def _adopt(mediator: Mediator, key: tuple) -> None:

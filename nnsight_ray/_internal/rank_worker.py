@@ -80,11 +80,17 @@ class RankRPCMixin:
         ``tracer.result`` (absent for aborted requests, which are only wound
         up). Returns each payload's size in bytes, in order.
         """
+        from .payload import dumps, unserialized
+
         finished = pickle.loads(outputs) if outputs else {}
+        # One collect for the batch (nnsight keys its result by request), then one
+        # payload per request: each request's merge may run on another merge actor.
+        with unserialized():
+            collected = self.collect_nnsight(request_ids, request_ids, finished or None)
         sizes = []
         for rid in request_ids:
-            payload = self.collect_nnsight([rid], [rid], {rid: finished[rid]} if rid in finished else None)
-            payload = payload or b""
+            entry = collected.get(rid) if collected else None
+            payload = dumps({rid: entry}) if entry is not None else b""
             stash_put(rid, payload)
             sizes.append(len(payload))
         return sizes
