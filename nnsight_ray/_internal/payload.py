@@ -13,7 +13,8 @@ Design. ``dumps`` is nnsight's compact pickler with one more rule: a plain
 dense tensor (exactly ``torch.Tensor``, no grad, not quantized or sparse) is
 written as a numpy array, one protocol-5 buffer holding only its own elements,
 and read back with ``torch.from_numpy`` over a writable ``bytearray``. dtypes
-numpy lacks (bfloat16, float8) travel as bytes and are viewed back. The result
+numpy lacks (bfloat16, float8, complex32) travel as the same-size integer
+dtype and are viewed back. The result
 is still plain pickle (``pickle.loads`` reads it anywhere ``nnsight_ray``
 imports), still compact, and equal in value, dtype and shape. A tensor on a GPU
 arrives on the CPU: the merge actor and the caller need no GPU to read it
