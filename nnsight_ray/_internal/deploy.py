@@ -357,7 +357,7 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
         )
     # Reserved here, before any actor starts: an unsatisfiable layout fails in
     # seconds with what the cluster has, not after an engine actor has loaded
-    # vLLM. The engine removes it at shutdown (owns_placement_group).
+    # vLLM. Released at shutdown: by the executor, or by name in shutdown().
     placement = reserve_placement_group(placement, engine_kwargs)
     runtime_env = {"env_vars": forwarded_env()}
     merges = [

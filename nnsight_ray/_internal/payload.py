@@ -51,11 +51,7 @@ def _from_numpy_as(array: Any, dtype: torch.dtype) -> torch.Tensor:
 
 # dtypes numpy lacks travel as the same-size integer and are viewed back
 _CARRIER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NUMPY_LACKS = {
-    dtype for dtype in (torch.bfloat16, torch.complex32, *(getattr(torch, name) for name in dir(torch)
-                                                           if name.startswith("float8_")))
-    if isinstance(dtype, torch.dtype)
-}
+_NUMPY_LACKS = {torch.bfloat16, torch.complex32, *(v for k, v in vars(torch).items() if k.startswith("float8_"))}
 
 
 def _reduce_tensor(obj: torch.Tensor) -> Any:
@@ -79,7 +75,7 @@ class _Pickler(_CompactPickler):
 
 
 def dumps(value: Any) -> bytes:
-    """Pickle ``value`` like nnsight's ``dumps_compact``, plain CPU tensors as raw bytes."""
+    """Pickle ``value`` like nnsight's ``dumps_compact``, plain tensors as numpy buffers (on the CPU)."""
     buffer = io.BytesIO()
     _Pickler(buffer, pickle.HIGHEST_PROTOCOL).dump(value)
     return buffer.getvalue()
