@@ -43,6 +43,12 @@ class ModelSpec:
     num_kv_heads: int
     intermediate_size: int
     max_positions: int = 512
+    #: Padded past the tokenizer's ids (the extra rows are never sampled by a greedy run of a trained model,
+    #: but a random one may sample them: they decode to nothing). None: the tokenizer's size.
+    vocab_size: int | None = None
+    init_std: float = 0.08
+    #: The dtype the checkpoint is written in.
+    dtype: str = "float32"
 
     @property
     def head_dim(self) -> int:
@@ -54,6 +60,10 @@ ARCHITECTURES: dict[str, ModelSpec] = {
     # rank one head.
     "llama": ModelSpec("llama", hidden_size=128, num_layers=4, num_heads=2, num_kv_heads=2, intermediate_size=256),
     "gpt2": ModelSpec("gpt2", hidden_size=128, num_layers=4, num_heads=2, num_kv_heads=2, intermediate_size=512),
+    # The GPU benchmark's model (scripts/bench_gpu.py): a random 1.2B Llama, written in bf16 (2.4 GB).
+    "llama-1b": ModelSpec("llama", hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8,
+                          intermediate_size=5632, max_positions=2048, vocab_size=32000, init_std=0.02,
+                          dtype="bfloat16"),
 }
 
 
@@ -90,7 +100,7 @@ def _config(spec: ModelSpec, vocab_size: int, tokenizer):
             head_dim=spec.head_dim,
             max_position_embeddings=spec.max_positions,
             tie_word_embeddings=False,
-            dtype="float32",
+            dtype=spec.dtype,
             **common,
         )
     if spec.arch == "gpt2":
@@ -121,14 +131,17 @@ def build_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0) -> 
 
     spec = ARCHITECTURES[arch]
     tokenizer = _build_tokenizer()
-    config = _config(spec, len(tokenizer), tokenizer)
+    config = _config(spec, spec.vocab_size or len(tokenizer), tokenizer)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # A large model is built on the GPU when there is one (seconds instead of minutes).
+    device = "cuda" if spec.hidden_size >= 1024 and torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
     # Larger-than-default init so layers visibly change the residual stream.
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
-                param.normal_(0.0, 0.08)
+                param.normal_(0.0, spec.init_std)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

@@ -37,9 +37,10 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from .pipeline import StageForwardMixin, StageRunnerMixin
 from .rank_worker import RankRPCMixin
+from .snapshot import SnapshotRunnerMixin
 
 
-class NNsightCPUModelRunner(StageRunnerMixin, NNsightGPUModelRunner, StageForwardMixin, CPUModelRunner):
+class NNsightCPUModelRunner(StageRunnerMixin, SnapshotRunnerMixin, NNsightGPUModelRunner, StageForwardMixin, CPUModelRunner):
     """nnsight's runner over vLLM's CPU runner, pipeline-stage aware.
 
     MRO: ``StageRunnerMixin`` wraps nnsight's ``load_model``,

@@ -15,9 +15,10 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from .pipeline import StageForwardMixin, StageRunnerMixin
 from .rank_worker import RankRPCMixin
+from .snapshot import SnapshotRunnerMixin
 
 
-class NNsightStageGPUModelRunner(StageRunnerMixin, NNsightGPUModelRunner, StageForwardMixin, GPUModelRunner):
+class NNsightStageGPUModelRunner(StageRunnerMixin, SnapshotRunnerMixin, NNsightGPUModelRunner, StageForwardMixin, GPUModelRunner):
     """nnsight's GPU runner, pipeline-stage aware (MRO as in ``NNsightCPUModelRunner``)."""
 
 

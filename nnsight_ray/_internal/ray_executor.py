@@ -113,6 +113,24 @@ def _actor_resources(placement: RankPlacement) -> dict[str, Any]:
     return {"num_cpus": 0, "num_gpus": 0, "resources": {placement.gpu_resource: placement.gpus_per_rank}}
 
 
+def rank_devices(placed: list[tuple[str, list[int]]]) -> list[tuple[int, list[int] | None]]:
+    """Each rank's ``(local_rank, visible physical GPU ids)`` from where Ray placed it.
+
+    ``placed[rank]`` is ``(node_id, GPU ids Ray gave that rank's actor)``. A
+    rank's local rank is its position among the ranks on its node, in rank
+    order, as vLLM counts it; every rank on a node sees all of that node's
+    GPUs given to this engine (sorted), and vLLM's worker picks device
+    ``local_rank`` among them, so two ranks of one node never share a device.
+    """
+    node_ranks: dict[str, list[int]] = {}
+    node_gpus: dict[str, list[int]] = {}
+    for rank, (node_id, gpus) in enumerate(placed):
+        node_ranks.setdefault(node_id, []).append(rank)
+        node_gpus.setdefault(node_id, []).extend(gpus)
+    return [(node_ranks[node_id].index(rank), sorted(node_gpus[node_id]) or None)
+            for rank, (node_id, _) in enumerate(placed)]
+
+
 class NNsightRayExecutor(RayExecutorV2):
     """vLLM's Ray executor with placement, naming and CPU support of our own."""
 
@@ -192,26 +210,14 @@ class NNsightRayExecutor(RayExecutorV2):
             plan = cpu_binding_plan(hosts, placement.cpu_binding)
             ray.get([a.bind_cpus.remote(cpus) for a, cpus in zip(actors, plan) if cpus])
 
-        # Local rank: position among the ranks on the same node, as vLLM counts it.
-        node_ranks: dict[str, list[int]] = {}
-        for rank, (node_id, _) in enumerate(placed):
-            node_ranks.setdefault(node_id, []).append(rank)
-        node_gpus: dict[str, list[int]] = {}
-        for node_id, gpus in placed:
-            node_gpus.setdefault(node_id, []).extend(gpus)
         init_method = ray.get(actors[0].create_dist_init_method.remote())
         driver_env = get_driver_env_vars(worker_specific_vars=WORKER_SPECIFIC_ENV_VARS)
         refs = []
-        for rank, (node_id, _) in enumerate(placed):
-            local_rank = node_ranks[node_id].index(rank)
+        for rank, (local_rank, gpu_ids) in enumerate(rank_devices(placed)):
             self.ray_worker_handles[rank].local_rank = local_rank
             refs.append(
                 actors[rank].initialize_worker.remote(
-                    local_rank,
-                    {},
-                    init_method,
-                    driver_env,
-                    assigned_physical_gpu_ids=sorted(node_gpus[node_id]) or None,
+                    local_rank, {}, init_method, driver_env, assigned_physical_gpu_ids=gpu_ids,
                 )
             )
         ray.get(refs)

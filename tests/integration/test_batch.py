@@ -21,7 +21,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import torch
 import yaml
 
 from conftest import ENGINE_KWARGS, assert_close
+from ray_head import free_ports, stop_processes, submit_batch
 
 pytestmark = pytest.mark.integration
 
@@ -375,75 +375,6 @@ def test_cli_reports_a_bad_module_path_with_exit_code_2(model_dir, tmp_path):
 # --------------------------------------------------------------------------- ray job submit
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def _start_time(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _descendants_and_matches(needles: list[str]) -> dict[int, str | None]:
-    """PIDs whose command line contains a needle, plus all their descendants, with their start times.
-
-    Read from /proc: ``ps`` cuts command lines at 80 columns when its output
-    is not a terminal, which hides the temp dir in a raylet's arguments.
-    """
-    parent, mine = {}, set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                command = handle.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{entry}/stat") as handle:
-                ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        pid = int(entry)
-        parent[pid] = ppid
-        if pid != os.getpid() and any(n in command for n in needles):
-            mine.add(pid)
-    grew = True
-    while grew:
-        grew = False
-        for pid, ppid in parent.items():
-            if pid not in mine and ppid in mine:
-                mine.add(pid)
-                grew = True
-    return {pid: _start_time(pid) for pid in sorted(mine)}
-
-
-def _stop(needles: list[str]) -> None:
-    """End the processes a head node started (matched by its temp dir and GCS port), nothing else."""
-    pids = _descendants_and_matches(needles)
-
-    def alive() -> list[int]:  # ours and still running (a reused pid has another start time)
-        return [pid for pid, started_at in pids.items() if _start_time(pid) == started_at]
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in alive():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 15
-        while sig == signal.SIGTERM and time.monotonic() < deadline and alive():
-            time.sleep(0.5)
-
-
 @pytest.fixture
 def head_node():
     """``ray start --head`` on 127.0.0.1 with its own ports and temp dir; stopped by killing only its processes."""
@@ -461,7 +392,7 @@ def head_node():
     try:
         for attempt in range(3):  # Ray gives a raylet 30 s to register: a busy machine can miss that
             (gcs, dashboard, node_manager, object_manager, agent, agent_grpc, runtime_env, metrics,
-             client) = _free_ports(9)
+             client) = free_ports(9)
             needles += [f"127.0.0.1:{gcs}", f"gcs_server_port={gcs}"]
             command = [
                 sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--node-ip-address=127.0.0.1",
@@ -475,11 +406,11 @@ def head_node():
             started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
             if started.returncode == 0:
                 break
-            _stop(needles)
+            stop_processes(needles)
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         yield {"dashboard": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{gcs}", "env": env}
     finally:
-        _stop(needles)
+        stop_processes(needles)
         subprocess.run(["rm", "-rf", temp_dir], check=False)
 
 
@@ -487,14 +418,7 @@ def test_ray_job_submit_writes_shards_equal_to_local_traces(head_node, local_lla
     prompts = PROMPTS[:6]
     config = make_config(tmp_path, model_dir, prompts, engine={"replicas": 1, "placement_strategy": "PACK"},
                          runner={"max_in_flight": 4, "prompts_per_trace": 2, "progress_interval_s": 1})
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "submit_batch.py"), "--address", head_node["dashboard"],
-         "--no-working-dir", "--config", str(path), "--env", "TOKENIZERS_PARALLELISM=false"],
-        env=head_node["env"], capture_output=True, text=True, timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    done = submit_batch(head_node["dashboard"], config, tmp_path, head_node["env"])
     assert "SUCCEEDED" in done.stdout and "batch done" in done.stdout and "prompts/s" in done.stdout
     got = rows(tmp_path / "out")
     assert [r["id"] for r in got] == [f"q{i}" for i in range(len(prompts))]

@@ -39,3 +39,39 @@ def test_bad_device_and_strategy_are_refused():
         RankPlacement(device="tpu")
     with pytest.raises(ValueError):
         RankPlacement(placement_strategy="RANDOM")
+
+
+# -- multi-GPU by design (one GPU is lent; these layouts run on the x2/x4 hosts) --
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_every_rank_of_tp_and_pp_layouts_asks_for_one_gpu(tp, pp):
+    placement = RankPlacement(device="gpu")
+    bundles = _bundles(tp * pp, placement)
+    assert bundles == [{"CPU": 1.0, "GPU": 1.0}] * (tp * pp)
+    assert _actor_resources(placement)["num_gpus"] == 1.0
+
+
+@pytest.mark.parametrize("placed", [
+    [("n0", [0]), ("n0", [1])],                                   # TP=2 (or PP=2), one node
+    [("n0", [3]), ("n0", [1]), ("n0", [0]), ("n0", [2])],         # TP=2 x PP=2, one node, ids out of order
+    [("n0", [0]), ("n1", [0]), ("n0", [1]), ("n1", [1])],         # TP=2 x PP=2 over two nodes
+])
+def test_each_rank_sees_its_own_device(placed):
+    from nnsight_ray._internal.ray_executor import rank_devices
+
+    plan = rank_devices(placed)
+    devices = set()
+    for (node, gpus), (local_rank, visible) in zip(placed, plan):
+        node_gpus = sorted(g for n, gs in placed if n == node for g in gs)
+        assert visible == node_gpus
+        assert 0 <= local_rank < len(visible)
+        devices.add((node, visible[local_rank]))
+    assert len(devices) == len(placed)  # no two ranks on one physical device
+
+
+def test_cpu_ranks_get_no_gpu_ids():
+    from nnsight_ray._internal.ray_executor import rank_devices
+
+    assert rank_devices([("n0", []), ("n0", []), ("n1", [])]) == [(0, None), (1, None), (0, None)]
+

@@ -1,0 +1,193 @@
+"""LocalVLLM and RayVLLM on the GPU, against transformers on the same weights.
+
+Every save here is *raw* (no ``.clone()``): vLLM's CUDA kernels write the
+tensors a block was handed in place (``_internal/snapshot.py``), so these are
+the tests that a saved value is what the model produced at that moment.
+
+vLLM's ``LlamaDecoderLayer`` returns ``(hidden, residual)`` with the residual
+add deferred to the next layer's fused norm: their sum is the residual stream,
+which is what transformers' decoder layer returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nnsight
+import pytest
+import ray
+
+from conftest import ON_GPU, TOL, assert_close
+
+PROMPTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog."]
+LAYERS = 4
+
+
+@pytest.fixture(params=["local", "ray"])
+def engine(request):
+    model = request.getfixturevalue("local" if request.param == "local" else "rayvllm")
+    yield request.param, model
+    counts = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        counts = model.vllm_entrypoint.collective_rpc("nnsight_request_count")
+        if counts and all(c == 0 for c in counts):
+            break
+        time.sleep(0.5)
+    assert counts and all(c == 0 for c in counts), f"requests left tracked: {counts}"
+
+
+def _on_caller(kind: str, value) -> None:
+    """RayVLLM's saves cross the object store and arrive on the CPU (no GPU needed at the caller)."""
+    if kind == "ray":
+        assert value.device.type == "cpu", value.device
+
+
+def test_raw_saves_of_every_layer_and_the_logits_match_transformers(engine, hf):
+    kind, model = engine
+    with model.trace(PROMPTS[1], temperature=0.0, max_tokens=1):
+        outs = nnsight.save([])
+        for i in range(LAYERS):
+            outs.append(model.model.layers[i].output)
+        logits = model.logits.save()
+    want = hf.run(PROMPTS[1])
+    for i, (hidden, residual) in enumerate(outs):
+        _on_caller(kind, hidden)
+        assert_close(hidden + residual, want["layers"][i], what=f"{kind} layer {i} residual stream")
+    assert_close(logits[-1], want["logits"], what=f"{kind} logits")
+
+
+def test_raw_saves_of_module_inputs_match_transformers(engine, hf):
+    kind, model = engine
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=1):
+        mlp_in = nnsight.save([])
+        for i in range(LAYERS):
+            if i == 2:
+                layer_in = model.model.layers[2].inputs.save()  # ((positions, hidden, residual), {})
+            mlp_in.append(model.model.layers[i].mlp.input)
+    want = hf.run(PROMPTS[0])
+    for i in range(LAYERS):
+        assert_close(mlp_in[i], want["mlp_in"][i], what=f"{kind} layer {i} mlp input")
+    args = layer_in[0]
+    hidden, residual = args[1], args[2]
+    assert_close(hidden + residual, want["layers"][1], what=f"{kind} layer 2 input = layer 1 output")
+
+
+def test_an_edit_is_seen_downstream(engine, hf):
+    kind, model = engine
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=1):
+        model.model.layers[1].mlp.output[:] = 0
+        after = model.model.layers[2].output.save()
+        logits = model.logits.save()
+    want = hf.run(PROMPTS[0], edit=lambda i, out, _: out * 0 if i == 1 else None)
+    unedited = hf.run(PROMPTS[0])
+    assert_close(after[0] + after[1], want["layers"][2], what=f"{kind} layer 2 after the edit")
+    assert_close(logits[-1], want["logits"], what=f"{kind} logits after the edit")
+    assert (want["logits"] - unedited["logits"]).norm() > 10 * TOL * unedited["logits"].norm()
+
+
+def test_a_cross_layer_dependency(engine, hf):
+    kind, model = engine
+    with model.trace(PROMPTS[1], temperature=0.0, max_tokens=1):
+        early = model.model.layers[0].mlp.output  # held while layers 1-3 run
+        model.model.layers[3].mlp.output[:] += early
+        logits = model.logits.save()
+
+    def edit(i, out, record):
+        return out + record["mlp_out"][0] if i == 3 else None
+
+    assert_close(logits[-1], hf.run(PROMPTS[1], edit=edit)["logits"], what=f"{kind} logits, layer 3 += layer 0")
+
+
+def test_multi_invoke_gives_each_prompt_its_own_values(engine, hf):
+    kind, model = engine
+    with model.trace(temperature=0.0, max_tokens=1) as tracer:
+        with tracer.invoke(PROMPTS[0]):
+            a = model.model.layers[2].output.save()
+        with tracer.invoke(PROMPTS[1]):
+            b = model.model.layers[2].output.save()
+            logits_b = model.logits.save()
+    assert_close(a[0] + a[1], hf.run(PROMPTS[0])["layers"][2], what=f"{kind} invoke 0")
+    want_b = hf.run(PROMPTS[1])
+    assert_close(b[0] + b[1], want_b["layers"][2], what=f"{kind} invoke 1")
+    assert_close(logits_b[-1], want_b["logits"], what=f"{kind} invoke 1 logits")
+
+
+def test_registered_block_on_plain_generate(rayvllm, hf):
+    kind, model = "ray", rayvllm
+    with model.edit() as (tracer, edit):
+        first = model.model.layers[0].output.save()
+        last = model.model.layers[LAYERS - 1].output.save()
+    try:
+        outputs = model.generate(PROMPTS, max_tokens=1, temperature=0.0)
+    finally:
+        edit.clear()
+    for prompt, output in zip(PROMPTS, outputs):
+        want = hf.run(prompt)
+        got_first, got_last = output.saves["first"], output.saves["last"]
+        assert_close(got_first[0] + got_first[1], want["layers"][0], what=f"{kind} registered first layer")
+        assert_close(got_last[0] + got_last[1], want["layers"][LAYERS - 1], what=f"{kind} registered last layer")
+    assert all(not o.saves for o in model.generate(PROMPTS, max_tokens=1, temperature=0.0))
+
+
+def test_an_intervention_error_reaches_the_caller_and_the_engine_goes_on(engine, hf):
+    kind, model = engine
+    with pytest.raises(Exception, match="boom"):
+        with model.trace(PROMPTS[0], temperature=0.0, max_tokens=1):
+            model.model.layers[0].output.save()
+            raise ValueError("boom")
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=1):
+        logits = model.logits.save()
+    assert_close(logits[-1], hf.run(PROMPTS[0])["logits"], what=f"{kind} after an error")
+
+
+# -- RayVLLM only ---------------------------------------------------------------
+
+
+def test_non_blocking_ref_resolves_here_and_in_a_task(rayvllm, hf):
+    with rayvllm.trace(PROMPTS[0], temperature=0.0, max_tokens=1, blocking=False) as tracer:
+        out = rayvllm.model.layers[2].output.save()
+    assert isinstance(tracer.ref, ray.ObjectRef)
+
+    @ray.remote(num_cpus=0)
+    def stream_norm(result):
+        saves = result.get("saves", result)
+        hidden, residual = saves["out"]
+        return float((hidden + residual).norm()), str(hidden.device)
+
+    want = hf.run(PROMPTS[0])["layers"][2]
+    norm, device = ray.get(stream_norm.remote(tracer.ref), timeout=120)
+    assert device == "cpu"
+    assert abs(norm - float(want.norm())) < TOL * float(want.norm())
+    got = tracer.collect()["out"]
+    assert_close(got[0] + got[1], want, what="non-blocking collect")
+
+
+def test_async_stream_yields_every_step_and_raw_saves_on_the_last(rayvllm, hf):
+    from nnsight_ray import RayVLLM
+
+    model = RayVLLM.connect("gpu-tp1", mode="async")
+
+    async def run():
+        with model.trace(PROMPTS[1], temperature=0.0, max_tokens=4) as tracer:
+            out = model.model.layers[1].output.save()
+        return [o async for o in tracer.backend]
+
+    seen = asyncio.run(run())
+    assert [o.finished for o in seen] == [False] * 3 + [True]
+    hidden, residual = seen[-1].saves["out"]
+    assert_close(hidden + residual, hf.run(PROMPTS[1])["layers"][1], what="async stream")
+
+
+def test_topology_puts_the_rank_on_a_gpu_bundle(rayvllm):
+    (rank,) = rayvllm.topology()
+    assert rank["actor_name"] == "gpu-tp1.pp0.tp0"
+    health = rayvllm.health()
+    assert health["alive"], health
+    if ON_GPU:
+        import ray.util.state
+
+        (actor,) = [a for a in ray.util.state.list_actors(filters=[("name", "=", "gpu-tp1.pp0.tp0")], detail=True)
+                    if a.state == "ALIVE"]
+        assert (actor.required_resources or {}).get("GPU", 0) >= 1, actor.required_resources
