@@ -18,7 +18,7 @@ import nnsight
 import pytest
 import ray
 
-from conftest import ON_GPU, TOL, assert_close
+from .conftest import ON_GPU, TOL, assert_close
 
 PROMPTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog."]
 LAYERS = 4

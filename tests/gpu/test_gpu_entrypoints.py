@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import ENGINE_KWARGS, KEY, assert_close
+from .conftest import ENGINE_KWARGS, KEY, assert_close
 from ray_head import free_ports, submit_batch
 
 PROMPTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog.", "abc"]
