@@ -81,7 +81,9 @@ def head():
         subprocess.run(["rm", "-rf", temp_dir], check=False)
 
 
-@pytest.fixture(scope="session")
+# Module scope: one GPU is lent, so each engine gives it back before the
+# entry-point tests (a Serve replica, a batch job) start engines of their own.
+@pytest.fixture(scope="module")
 def local(gpu_model_dir):
     """nnsight's in-process engine through ``LocalVLLM`` (started before Ray's so they overlap less)."""
     from nnsight_ray import LocalVLLM
@@ -93,7 +95,7 @@ def local(gpu_model_dir):
     model.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def rayvllm(head, gpu_model_dir):
     """RayVLLM, TP=1: its rank actor in a GPU bundle of the head's placement group."""
     from nnsight_ray import RayVLLM

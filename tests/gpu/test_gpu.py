@@ -190,4 +190,6 @@ def test_topology_puts_the_rank_on_a_gpu_bundle(rayvllm):
 
         (actor,) = [a for a in ray.util.state.list_actors(filters=[("name", "=", "gpu-tp1.pp0.tp0")], detail=True)
                     if a.state == "ALIVE"]
-        assert (actor.required_resources or {}).get("GPU", 0) >= 1, actor.required_resources
+        # Inside a placement group Ray names the resource after the group (GPU_group_<id>).
+        gpus = sum(v for k, v in (actor.required_resources or {}).items() if k == "GPU" or k.startswith("GPU_group_"))
+        assert gpus >= 1, actor.required_resources

@@ -37,18 +37,6 @@ def served(head, gpu_model_dir):
         serve.shutdown()
 
 
-def test_serve_over_http_with_nnsights_client(served, gpu_model_dir, hf):
-    from nnsight_ray import LocalVLLM
-
-    client = LocalVLLM(gpu_model_dir)  # meta only: nnsight's client side
-    with client.trace(PROMPTS[1], temperature=0.0, max_tokens=1, serve=served, api_key=KEY):
-        out = client.model.layers[2].output.save()
-        logits = client.logits.save()
-    want = hf.run(PROMPTS[1])
-    assert_close(out[0] + out[1], want["layers"][2], what="serve layer 2")
-    assert_close(logits[-1], want["logits"], what="serve logits")
-
-
 def test_batch_through_ray_job_submit(head, gpu_model_dir, hf, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
@@ -76,3 +64,16 @@ def test_batch_through_ray_job_submit(head, gpu_model_dir, hf, tmp_path):
         assert_close(value("logits"), want["logits"], what=f"batch logits {row['id']}")
         assert_close(value("model.layers.1.output"), want["layers"][1], what=f"batch layer 1 {row['id']}")
         assert_close(value("model.layers.3.output"), want["layers"][3][-1], what=f"batch layer 3 {row['id']}")
+
+
+# Last: the Serve replica holds the GPU until the module ends.
+def test_serve_over_http_with_nnsights_client(served, gpu_model_dir, hf):
+    from nnsight_ray import LocalVLLM
+
+    client = LocalVLLM(gpu_model_dir)  # meta only: nnsight's client side
+    with client.trace(PROMPTS[1], temperature=0.0, max_tokens=1, serve=served, api_key=KEY):
+        out = client.model.layers[2].output.save()
+        logits = client.logits.save()
+    want = hf.run(PROMPTS[1])
+    assert_close(out[0] + out[1], want["layers"][2], what="serve layer 2")
+    assert_close(logits[-1], want["logits"], what="serve logits")
