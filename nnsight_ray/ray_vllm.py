@@ -20,6 +20,7 @@ process of the cluster; ``mode="async"`` streams (see ``streaming.py``).
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -28,6 +29,11 @@ from ._internal.options import RAY_OPTION_NAMES
 from .local import LocalVLLM
 
 __all__ = ["RayVLLM", "RemoteEngine"]
+
+
+# Between polls of a result, a blocking caller checks that the engine actor answers.
+POLL_S = 1.0
+PING_TIMEOUT_S = 10.0
 
 
 def _unwrap(error: BaseException) -> BaseException:
@@ -50,6 +56,26 @@ def ray_get(ref: Any, timeout: float | None = None) -> Any:
         raise _unwrap(error) from None
 
 
+# The keys that make a dict one of vLLM's prompt forms (TextPrompt, TokensPrompt, ...).
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "encoder_prompt", "decoder_prompt")
+
+
+def _check_request(index: int, prompt: Any, param: Any, sampling_params: type) -> None:
+    """Refuse, in the caller and in words, what the engine would refuse with an empty message."""
+    if isinstance(prompt, dict):
+        if not any(key in prompt for key in _PROMPT_KEYS):
+            raise ValueError(f"prompt {index} is a dict with keys {sorted(prompt)}; a prompt dict needs "
+                             "'prompt' (text) or 'prompt_token_ids' (vLLM's TextPrompt / TokensPrompt)")
+    elif not isinstance(prompt, str) and not (
+            isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt)):
+        shown = repr(prompt)
+        raise TypeError(f"prompt {index} is {type(prompt).__name__} {shown[:80]}: give a string, a list of "
+                        "token ids, or a vLLM prompt dict (TextPrompt / TokensPrompt)")
+    if not isinstance(param, sampling_params):
+        raise TypeError(f"sampling_params[{index}] is {type(param).__name__}, not vllm.SamplingParams: "
+                        "pass SamplingParams(**settings), or the settings as keyword arguments of trace/generate")
+
+
 class RemoteEngine:
     """The ``vllm_entrypoint`` of a ``RayVLLM``: vLLM's ``LLM`` surface, over Ray.
 
@@ -63,6 +89,80 @@ class RemoteEngine:
         self.engine = handles["engine"]
         self.merges = handles["merges"]
         self.name = handles["spec"]["name"]
+        self._records: Any = None
+        self.records()  # now, while the engine can answer: a dead one cannot say who its ranks were
+
+    # -- waiting, and saying what died ---------------------------------------
+
+    def records(self) -> Any:
+        """Every actor of the deployment (``liveness.DeploymentRecords``), asked once of the engine."""
+        if self._records is None:
+            from ._internal.liveness import ENGINE, MERGE, ActorRecord, DeploymentRecords
+
+            try:
+                self._records = ray_get(self.engine.get_records.remote(), timeout=PING_TIMEOUT_S)
+            except Exception:  # the engine actor is gone: what the handles say
+                return DeploymentRecords(
+                    ActorRecord(ENGINE, f"{self.name}.engine", self.engine._actor_id.hex()),
+                    [ActorRecord(MERGE, n, m._actor_id.hex())
+                     for n, m in zip(self.handles["spec"]["merge_names"], self.merges)], [])
+        return self._records
+
+    def survey(self) -> list[Any]:
+        """Every actor's ``liveness.ActorState`` (GCS reads)."""
+        from ._internal.deploy import gcs_actor_entry
+        from ._internal.liveness import read_states
+
+        return read_states(self.records().all(), gcs_actor_entry)
+
+    def dead(self, error: BaseException | None = None) -> EngineDeadError:
+        """The deployment's death, named as its engine and merge actors name it."""
+        from ._internal.deploy import alive_nodes
+        from ._internal.liveness import dead_message, engine_dead
+
+        message = dead_message(self.survey(), alive_nodes())
+        return EngineDeadError(message or engine_dead(f"an actor of deployment {self.name} died ({error})"))
+
+    def unwrap(self, error: BaseException) -> BaseException:
+        """An actor call's exception as the caller should see it: the cause, or what died."""
+        import ray
+
+        if isinstance(error, ray.exceptions.RayActorError):
+            return self.dead(error)
+        return _unwrap(error)
+
+    def wait(self, ref: Any, timeout: float | None = None) -> Any:
+        """``ray.get(ref)`` that never hangs on a dead deployment.
+
+        Polls the result; between polls, pings the engine actor (a dead actor's
+        handle fails at once), so a caller learns of a death within seconds
+        even if nothing else would tell it. ``timeout`` as ``ray.get``'s.
+        """
+        import ray
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+            ready, _ = ray.wait([ref], timeout=step)
+            if ready:
+                try:
+                    return ray.get(ref)
+                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
+                    raise self.unwrap(error) from None
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ray.exceptions.GetTimeoutError(f"no result from deployment {self.name} in {timeout} s")
+            self._ping_engine()
+
+    def _ping_engine(self) -> None:
+        import ray
+
+        ping = self.engine.ready.remote()
+        ready, _ = ray.wait([ping], timeout=PING_TIMEOUT_S)
+        if ready:
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayActorError as error:
+                raise self.dead(error) from None
 
     def _merge(self, group: str) -> Any:
         from ._internal.deploy import merge_index
@@ -73,8 +173,12 @@ class RemoteEngine:
     def _lists(prompts: Any, sampling_params: Any, lora_request: Any) -> tuple[list, list, list | None]:
         from vllm import SamplingParams
 
+        # vLLM's own reading (renderers.inputs.preprocess.prompt_to_seq), as LocalVLLM gets it:
+        # a list of ints is one prompt of token ids, so `model.trace(5)` runs token id 5 there too.
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple)):
+            prompts = [prompts]  # one prompt of no known kind: _check_request says what is wrong with it
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -83,6 +187,8 @@ class RemoteEngine:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams; give one, or one per prompt")
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else (
             None if lora_request is None else [lora_request] * len(prompts))
+        for index, (prompt, param) in enumerate(zip(prompts, params)):
+            _check_request(index, prompt, param, SamplingParams)
         return prompts, params, loras
 
     def submit(self, prompts: Any, sampling_params: Any = None, lora_request: Any = None) -> tuple[str, int]:
@@ -99,7 +205,7 @@ class RemoteEngine:
         return self._merge(group).outputs.remote(group, size)
 
     def generate(self, prompts: Any, sampling_params: Any = None, lora_request: Any = None, **kwargs: Any) -> list:
-        return ray_get(self.generate_async(prompts, sampling_params, lora_request, **kwargs))
+        return self.wait(self.generate_async(prompts, sampling_params, lora_request, **kwargs))
 
     def trace_ref(self, prompts: list, params: list, loras: list | None, presaved: set[str]) -> Any:
         """Submit a trace's requests; an ``ObjectRef`` to ``{"saves", "error"}``."""
@@ -107,7 +213,7 @@ class RemoteEngine:
         return self._merge(group).trace.remote(group, size, set(presaved))
 
     def collective_rpc(self, method: str, args: tuple = (), **_: Any) -> list:
-        return ray_get(self.engine.rpc.remote(method, tuple(args)))
+        return self.wait(self.engine.rpc.remote(method, tuple(args)))
 
     def stream(self, prompt: Any, param: Any, lora: Any = None) -> tuple[str, Any]:
         """Start one streamed request: ``(group, ObjectRefGenerator of RequestOutput)``."""
@@ -121,13 +227,21 @@ class RemoteEngine:
         try:
             return (await self._merge(group).outputs.remote(group, 1))[0]
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
-            raise _unwrap(error) from None
+            raise self.unwrap(error) from None
 
     def topology(self) -> list[dict[str, Any]]:
-        return ray_get(self.engine.get_topology.remote())
+        return self.wait(self.engine.get_topology.remote())
 
     def health(self) -> dict[str, Any]:
-        return ray_get(self.engine.health.remote())
+        """The engine actor's health; if it cannot answer, what the GCS says of every actor."""
+        import ray
+
+        from ._internal.liveness import as_dicts
+
+        try:
+            return self.wait(self.engine.health.remote(), timeout=3 * PING_TIMEOUT_S)
+        except (EngineDeadError, ray.exceptions.GetTimeoutError) as error:
+            return {"alive": False, "error": str(error), "actors": as_dicts(self.survey())}
 
 
 class _TraceState(threading.local):
@@ -290,7 +404,7 @@ class RayVLLM(LocalVLLM):
         self._trace_state.blocking = blocking
         self._trace_state.tracer = tracer
         tracer.ref = None
-        tracer.collect = lambda timeout=None: _collect_ref(tracer.ref, timeout)
+        tracer.collect = lambda timeout=None: _collect_ref(self.vllm_entrypoint, tracer.ref, timeout)
         return tracer
 
     def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
@@ -339,12 +453,12 @@ class RayVLLM(LocalVLLM):
         self.vllm_entrypoint = None
 
 
-def _collect_ref(ref: Any, timeout: float | None = None) -> dict[str, Any]:
+def _collect_ref(engine: RemoteEngine, ref: Any, timeout: float | None = None) -> dict[str, Any]:
     """Block for a non-blocking trace's ``{name: value}``, re-raising its error."""
     from .local import raise_intervention
 
     if ref is None:
         raise RequestError("this trace has no result reference: it was blocking, or has not exited yet")
-    result = ray_get(ref, timeout)
+    result = engine.wait(ref, timeout)
     raise_intervention(result["error"])
     return result["saves"]

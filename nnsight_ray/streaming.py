@@ -61,17 +61,17 @@ class RayStreamBackend(Backend):
             return
         self._consumed = True
         finished = False
+        engine = self.model.vllm_entrypoint
         try:
             async for ref in self._generator:
                 try:
                     output = await ref
                 except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
-                    from .ray_vllm import _unwrap
-
-                    raise _unwrap(error) from None
+                    # what died, named as every other caller of the deployment hears it
+                    raise engine.unwrap(error) from None
                 if output.finished:
                     finished = True
-                    output = await self.model.vllm_entrypoint.finished_output(self._group)
+                    output = await engine.finished_output(self._group)
                     raise_intervention(getattr(output, "nnsight_error", None))
                 else:
                     output.saves = {}

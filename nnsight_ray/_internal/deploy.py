@@ -25,7 +25,10 @@ from typing import Any
 import ray
 
 from ..errors import EngineDeadError, RequestError
-from .merge import Group, merge_request, trace_result
+from .engine import Report
+from .liveness import (ENGINE, MERGE, ActorRecord, ActorState, DeploymentRecords, as_dicts, dead_message,
+                       engine_dead, every, first_dead, rank_records, read_states)
+from .merge import MergeBook, trace_result
 from .options import NAMESPACE, RankPlacement, placement_group_name, remove_named_placement_groups, reserve_placement_group
 from .topology import RankId
 
@@ -39,6 +42,10 @@ _FORWARDED_ENV_PREFIXES = ("VLLM_", "NNSIGHT", "HF_", "TRANSFORMERS_", "TOKENIZE
 # (the caller died right after submitting) is dropped after this long.
 ABANDON_AFTER_S = float(os.environ.get("NNSIGHT_RAY_ABANDON_AFTER_S", "30"))
 GROUP_TTL_S = float(os.environ.get("NNSIGHT_RAY_GROUP_TTL_S", "3600"))
+# How often the engine actor looks at its ranks and merge actors, and each merge
+# actor at the engine actor; a ping unanswered this long is logged, not a death.
+WATCH_PERIOD_S = 1.0
+PING_TIMEOUT_S = 10.0
 
 
 # Per-node settings: forwarding them would make a remote node advertise this one's.
@@ -55,6 +62,25 @@ def merge_index(group: str, shards: int) -> int:
     return zlib.crc32(group.encode()) % shards
 
 
+def gcs_actor_entry(actor_id: str) -> dict[str, Any] | None:
+    """The GCS actor-table entry of one actor (blocking), or None if it has none."""
+    import ray._private.state as ray_state
+
+    return ray_state.actors(actor_id=actor_id) or None
+
+
+def alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+def actor_death_message(record: ActorRecord | None, error: BaseException | None = None) -> str:
+    """The engine-dead message for one actor found dead (blocking: reads the GCS)."""
+    if record is None:
+        return engine_dead(f"an actor of the deployment died ({error})")
+    message = dead_message(read_states([record], gcs_actor_entry), alive_nodes())
+    return message or engine_dead(f"{record.describe()} died ({type(error).__name__ if error else 'gone'})")
+
+
 def _import_rank_class() -> None:
     try:
         from . import ray_executor  # noqa: F401
@@ -63,87 +89,79 @@ def _import_rank_class() -> None:
 
 
 class MergeActor:
-    """Takes each finished request's payloads from every rank, merges, resolves callers."""
+    """Takes each finished request's payloads from every rank, merges, resolves callers.
+
+    A shell over ``merge.MergeBook``; it also watches the engine actor, so a
+    caller waiting here learns of the engine actor's death within seconds.
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.ranks: list[Any] = []
-        self.groups: dict[str, Group] = {}
-        self.waiters: dict[str, asyncio.Event] = {}
-        self.bytes_merged = 0
-        self.requests_merged = 0  # finished requests handed over by the engine
-        self.groups_expired = 0  # dropped by the sweep: caller gone, or never came for them
+        self.rank_names: list[str] = []
+        self.book = MergeBook(ABANDON_AFTER_S, GROUP_TTL_S)
         self._sweeper: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
         # A handle on a rank actor (set_ranks) loads the rank's class, whose
         # module imports vLLM: ~7 s on the engine's start-up path if left until
         # then. Import it now, while the engine actor is still starting vLLM.
         threading.Thread(target=_import_rank_class, name="nnsight-ray-prewarm", daemon=True).start()
 
-    def set_ranks(self, actor_names: list[str]) -> None:
-        """Rank actors in rank order (rank = pp * tp_size + tp): the merge order."""
+    async def set_ranks(self, actor_names: list[str], engine: Any = None,
+                        engine_record: ActorRecord | None = None) -> None:
+        """Rank actors in rank order (rank = pp * tp_size + tp): the merge order; and the engine to watch."""
         self.ranks = [ray.get_actor(n, namespace=NAMESPACE) for n in actor_names]
+        self.rank_names = list(actor_names)
+        if engine is not None and self._watcher is None:
+            self._watcher = asyncio.ensure_future(
+                every(WATCH_PERIOD_S, lambda: self._engine_gone(engine, engine_record), f"{self.name} engine watch"))
 
-    def _group(self, group: str) -> Group:
+    async def _engine_gone(self, engine: Any, record: ActorRecord | None) -> bool:
+        """One look at the engine actor; True (and every waiter failed) once it is dead."""
+        if self.book.dead is not None:
+            return True
+        try:
+            await asyncio.wait_for(engine.ready.remote(), PING_TIMEOUT_S)
+        except ray.exceptions.RayActorError as error:
+            await self.fail(await asyncio.get_running_loop().run_in_executor(None, actor_death_message, record, error))
+            return True
+        except asyncio.TimeoutError:
+            logger.warning("%s: the engine actor did not answer a ping within %.0f s", self.name, PING_TIMEOUT_S)
+        return False
+
+    async def fail(self, message: str) -> None:
+        """The deployment is dead: every waiter here, and every later wait, fails with ``message``."""
+        if self.book.dead is None:
+            logger.error("%s: %s", self.name, message)
+        self.book.fail(message)
+
+    def _ensure_sweeper(self) -> None:
         if self._sweeper is None:
-            self._sweeper = asyncio.ensure_future(self._sweep_forever())
-        return self.groups.setdefault(group, Group(size=0))
+            self._sweeper = asyncio.ensure_future(every(ABANDON_AFTER_S / 3, self._sweep, f"{self.name} sweep"))
 
-    def _sweep(self) -> None:
-        now = time.monotonic()
-        for key, state in list(self.groups.items()):
-            if state.expired(now, key in self.waiters, ABANDON_AFTER_S, GROUP_TTL_S):
-                del self.groups[key]
-                self.groups_expired += 1
+    async def _sweep(self) -> bool:
+        self.book.sweep()
+        return False
 
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(ABANDON_AFTER_S / 3)
-            self._sweep()
-
-    async def finish(self, reports: list[tuple[str, int, str, Any, BaseException | None]]) -> None:
+    async def finish(self, reports: list[Report]) -> None:
         """Merge a batch of finished requests: one ``take_payloads`` per rank for all of them."""
-        request_ids = [rid for _, _, rid, _, _ in reports]
-        per_rank: list[list[bytes | None]] = []
+        self._ensure_sweeper()
+        request_ids = [r.request_id for r in reports]
+        per_rank: list[list[bytes | None]] = [[None] * len(reports) for _ in self.ranks]
         failure = None
-        try:
-            per_rank = await asyncio.gather(*(r.take_payloads.remote(request_ids) for r in self.ranks))
-        except Exception as exception:  # a rank died between collect and take
-            failure = EngineDeadError(f"could not take saves from a rank: {exception}")
-        now = time.monotonic()
-        for position, (group, index, request_id, output, error) in enumerate(reports):
-            payloads = [taken[position] for taken in per_rank]
-            self.bytes_merged += sum(len(p) for p in payloads if p)
-            self.requests_merged += 1
-            state = self._group(group)
-            error = error or failure
-            if error is not None:
-                state.error = state.error or error
-            else:
-                state.outputs[index] = merge_request(output, request_id, payloads)
-            state.finished = now  # last activity: see Group.expired
-            self._wake(group)
-
-    def _wake(self, group: str) -> None:
-        event = self.waiters.get(group)
-        if event is not None:
-            event.set()
-
-    async def _wait(self, group: str, size: int) -> Group:
-        state = self._group(group)
-        state.size = size
-        event = self.waiters.setdefault(group, asyncio.Event())
-        try:
-            while not state.complete:
-                event.clear()
-                await event.wait()
-        finally:
-            self.waiters.pop(group, None)
-            self.groups.pop(group, None)
-        return state
+        taken = await asyncio.gather(*(r.take_payloads.remote(request_ids) for r in self.ranks), return_exceptions=True)
+        for name, result in zip(self.rank_names, taken):
+            if isinstance(result, BaseException):  # a rank died between collect and take
+                failure = failure or EngineDeadError(engine_dead(
+                    f"rank actor {name} could not hand over its saves ({type(result).__name__}: {result})"))
+        if failure is None:
+            per_rank = list(taken)
+        self.book.arrive(reports, per_rank, failure)
 
     async def outputs(self, group: str, size: int) -> list[Any]:
         """The group's ``RequestOutput``s, saves attached (raises the group's error)."""
-        state = await self._wait(group, size)
+        self._ensure_sweeper()
+        state = await self.book.wait(group, size)
         if state.error is not None:
             raise state.error
         from .payload import Packed  # Ray writes the saves with the fast tensor path
@@ -152,17 +170,19 @@ class MergeActor:
 
     async def trace(self, group: str, size: int, presaved: set[str]) -> dict[str, Any]:
         """``{"saves": {name: value}, "error": deferred}`` for a non-blocking trace."""
-        state = await self._wait(group, size)
+        self._ensure_sweeper()
+        state = await self.book.wait(group, size)
         if state.error is not None:
             raise state.error
         from .payload import Packed
 
         return Packed(trace_result(state.ordered(), presaved))
 
-    def stats(self) -> dict[str, Any]:
-        self._sweep()
-        return {"groups": len(self.groups), "waiting": len(self.waiters), "bytes_merged": self.bytes_merged,
-                "requests_merged": self.requests_merged, "groups_expired": self.groups_expired}
+    async def ping(self) -> bool:
+        return True
+
+    async def stats(self) -> dict[str, Any]:
+        return self.book.stats()
 
 
 class EngineActor:
@@ -201,79 +221,101 @@ class EngineActor:
             raise
         vllm_up = time.monotonic()
         self.merges = [ray.get_actor(n, namespace=NAMESPACE) for n in self.spec["merge_names"]]
-        self.core = EngineCore(llm, self._notify, self._describe_dead)
+        self.core = EngineCore(llm, self._notify, self._describe_dead, on_dead=self._tell_merges)
         self.topology = await llm.collective_rpc("nnsight_ray_describe")
         described = time.monotonic()
-        names = [t["actor_name"] for t in sorted(self.topology, key=lambda t: t["rank"])]
-        await asyncio.gather(*(m.set_ranks.remote(names) for m in self.merges))
+        context = ray.get_runtime_context()
+        self.records = DeploymentRecords(
+            engine=ActorRecord(ENGINE, f"{self.spec['name']}.engine", context.get_actor_id(),
+                               context.get_node_id(), os.getpid()),
+            merges=[ActorRecord(MERGE, n, m._actor_id.hex()) for n, m in zip(self.spec["merge_names"], self.merges)],
+            ranks=rank_records(self.topology))
+        names = [r.name for r in self.records.ranks]
+        me = context.current_actor
+        await asyncio.gather(*(m.set_ranks.remote(names, me, self.records.engine) for m in self.merges))
         logger.info("engine %s: imports %.1f s, vLLM engine %.1f s, describe %.1f s, merges %.1f s",
                     self.spec["name"], began - self.started, vllm_up - began, described - vllm_up,
                     time.monotonic() - described)
-        self._watcher = asyncio.ensure_future(self._watch_ranks())
+        self._watcher = asyncio.ensure_future(every(WATCH_PERIOD_S, self._check, f"engine {self.spec['name']} watch"))
         logger.info("engine %s ready: %d ranks", self.spec["name"], len(names))
         return self.topology
 
-    def _notify(self, reports: list) -> None:
-        shards: dict[int, list] = {}
+    def _notify(self, reports: list[Report]) -> None:
+        shards: dict[int, list[Report]] = {}
         for report in reports:
-            shards.setdefault(merge_index(report[0], len(self.merges)), []).append(report)
+            shards.setdefault(merge_index(report.group, len(self.merges)), []).append(report)
         for shard, batch in shards.items():
             self.merges[shard].finish.remote(batch)
 
-    def _dead_ranks(self) -> list[str]:
-        """Dead rank actors, the first to die first, each with its node.
+    def _tell_merges(self, error: EngineDeadError) -> None:
+        """Every merge actor fails its waiters (and later waits) with the engine's death message."""
+        for merge in self.merges:
+            merge.fail.remote(str(error))
 
-        Read from the GCS actor table (``ray._private.state.actors``, the data
-        behind ``ray list actors``) because it keeps *when* each actor ended:
-        vLLM's executor kills the surviving ranks within milliseconds of the
-        first death, and only the end times tell which one went first.
+    def _survey(self) -> list[ActorState]:
+        """Every actor of this deployment as the GCS actor table has it (blocking: run in a thread).
+
+        Read by actor id from the GCS (the data behind ``ray list actors``)
+        because it keeps *when* each actor ended: vLLM's executor kills the
+        surviving ranks within milliseconds of the first death, and only the
+        end times tell which one went first.
         """
-        import ray._private.state as ray_state
+        states = read_states(self.records.others(), gcs_actor_entry)
+        return [ActorState(self.records.engine, "ALIVE", self.records.engine.node_id), *states]
 
-        alive_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        ours = {(t["actor_name"], t["pid"]): t for t in self.topology}
-        ended = []
-        for actor in ray_state.actors().values():
-            rank = ours.get((actor.get("Name"), actor.get("Pid")))
-            if rank is not None and actor.get("State") == "DEAD":
-                ended.append((actor.get("EndTime") or 0, rank))
-        described = []
-        for _, rank in sorted(ended, key=lambda item: item[0]):
-            node = rank["node_id"]
-            where = "node removed" if node not in alive_nodes else "node alive"
-            described.append(f"rank pp{rank['pp_rank']}.tp{rank['tp_rank']} (actor {rank['actor_name']}) "
-                             f"on node {node} ({where})")
-        return described
-
-    async def _watch_ranks(self, period_s: float = 1.0) -> None:
-        """Fail the engine as soon as a rank is gone, whatever vLLM's core is doing.
+    async def _check(self) -> bool:
+        """One watch step: fail the engine as soon as a rank or merge actor is gone, or vLLM errored.
 
         vLLM's executor notices a dead rank too, but a core blocked mid-step
-        (a collective with the dead peer) may never report it; this loop does
-        not depend on that.
+        (a collective with the dead peer) may never report it; this does not
+        depend on that. True once the engine is dead (the watch ends).
         """
-        while self.core is not None and self.core.dead is None:
-            try:
-                dead = await asyncio.get_running_loop().run_in_executor(None, self._dead_ranks)
-            except Exception:  # the cluster is going away
-                return
-            if dead:
-                await self.core.fail(EngineDeadError(self._dead_message(dead)))
-                return
-            await asyncio.sleep(period_s)
+        core = self.core
+        if core is None or core.dead is not None:
+            return core is not None
+        message = await self._diagnose()
+        if message is None and getattr(core.llm, "errored", False):
+            message = await self._describe_dead()
+        if message is not None:
+            await core.fail(EngineDeadError(message))
+            return True
+        return False
 
-    @staticmethod
-    def _dead_message(dead: list[str]) -> str:
-        first, rest = dead[0], dead[1:]
-        tail = f" (then {len(rest)} more rank(s) were stopped: {'; '.join(rest)})" if rest else ""
-        return (f"the engine is dead: {first} died{tail}. Every pending request on it failed; "
-                "shut it down (model.shutdown()) and build a new one.")
+    async def _diagnose(self) -> str | None:
+        """The death message if vLLM's engine-core process, a rank or a merge actor is gone, else None.
+
+        The first actor to die is blamed, unless vLLM's engine-core process
+        ended and that actor died because its owner (the core) did.
+        """
+        loop = asyncio.get_running_loop()
+        states = await loop.run_in_executor(None, self._survey)
+        first = first_dead(states)
+        core_process = self._core_process()
+        if core_process is not None and (first is None or "owner" in first.cause.lower()):
+            return engine_dead(core_process)
+        return dead_message(states, await loop.run_in_executor(None, alive_nodes))
+
+    def _core_process(self) -> str | None:
+        """``engine core process pid P exited with code C`` if vLLM's engine-core process has ended."""
+        try:
+            processes = self.core.llm.engine_core.resources.engine_manager.processes
+        except AttributeError:
+            return None
+        ended = [p for p in processes if p.exitcode is not None]
+        if not ended:
+            return None
+        return "; ".join(f"vLLM's engine core process (pid {p.pid}) of {self.records.engine.describe()} "
+                         f"exited with code {p.exitcode}" for p in ended)
 
     async def _describe_dead(self) -> str:
-        dead = await asyncio.get_running_loop().run_in_executor(None, self._dead_ranks)
-        if dead:
-            return self._dead_message(dead)
-        return "the engine is dead: vLLM's engine core failed with every rank alive (see the engine actor's log)"
+        """What killed the engine, once vLLM said it is dead (the GCS may learn of a death a moment later)."""
+        for attempt in range(3):
+            message = await self._diagnose()
+            if message is not None:
+                return message
+            await asyncio.sleep(1.0)
+        return engine_dead(f"vLLM's engine core in {self.records.engine.describe()} failed with every actor "
+                           "alive (see the engine actor's log)")
 
     def _require_core(self):
         if self.core is None:
@@ -286,7 +328,7 @@ class EngineActor:
         try:
             self._require_core().submit(group, prompts, params, loras)
         except Exception as error:
-            self._notify([(group, index, f"{group}-{index}", None, error) for index in range(len(prompts))])
+            self._notify([Report(group, index, f"{group}-{index}", None, error) for index in range(len(prompts))])
 
     async def stream(self, group: str, prompt: Any, param: Any, lora: Any = None):
         async for output in self._require_core().stream(group, prompt, param, lora):
@@ -304,12 +346,18 @@ class EngineActor:
     async def get_topology(self) -> list[dict[str, Any]]:
         return list(self.topology)
 
+    async def get_records(self) -> DeploymentRecords:
+        return self.records
+
     async def health(self) -> dict[str, Any]:
+        """Alive only if every actor of the deployment is: the engine, each merge actor, each rank."""
         core = self._require_core()
-        if core.dead is None and getattr(core.llm, "errored", False):
-            await core._explain(RuntimeError("engine errored"))
+        if core.dead is None:
+            await self._check()
+        states = await asyncio.get_running_loop().run_in_executor(None, self._survey)
         return {"alive": core.dead is None, "error": None if core.dead is None else str(core.dead),
-                "uptime_s": time.monotonic() - self.started, "collect": dict(core.collect_stats)}
+                "actors": as_dicts(states), "uptime_s": time.monotonic() - self.started,
+                "collect": dict(core.collect_stats)}
 
     async def shutdown(self) -> None:
         # The executor removes the rank placement group; if vLLM stopped its

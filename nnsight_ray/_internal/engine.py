@@ -15,8 +15,14 @@ what nnsight's ``NNsightLLMEngine.step`` adds in-process, distributed:
 3. *Hand off.* The engine tells the merge actor which requests are done and
    moves on. It never waits for a payload to move or merge, and never holds one.
 
-No Ray calls here except through the ``notify`` callable and ``health``, which
-``deploy.EngineActor`` supplies.
+4. *Always report.* Every request submitted reaches ``notify`` exactly once,
+   whatever happens: finished, refused, aborted, or failed because the engine
+   died. ``fail`` hands every request not yet reported over itself, at once,
+   with the engine's death message, so a caller never waits on a request task
+   that was cancelled, or on a collection stuck in a collective with a dead rank.
+
+No Ray calls here except through the ``notify`` and ``describe_dead``
+callables, which ``deploy.EngineActor`` supplies.
 """
 
 from __future__ import annotations
@@ -25,32 +31,65 @@ import asyncio
 import logging
 import pickle
 import time
-import uuid
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from ..errors import EngineDeadError
+from ..errors import EngineDeadError, RequestError
 
 logger = logging.getLogger(__name__)
 
-# (group, index, request_id, finished output or None, error or None)
-Report = tuple[str, int, str, Any, "BaseException | None"]
+# How long explaining an engine death may take (a GCS read) before a plainer message is used.
+DESCRIBE_TIMEOUT_S = 8.0
+
+
+@dataclass
+class Report:
+    """One request as the merge actor hears of it: finished (``output``) or failed (``error``)."""
+
+    group: str
+    index: int
+    request_id: str
+    output: Any = None
+    error: BaseException | None = None
+
+
 # Hands a batch of finished requests to the merge actors (never blocks).
 Notify = Callable[[list[Report]], None]
-# -> the full "engine is dead: ..." message
+# -> the full "the engine is dead: ..." message
 DescribeDead = Callable[[], Awaitable[str]]
+
+
+def refusal(exception: BaseException) -> BaseException:
+    """vLLM's ``EngineGenerateError`` says nothing (its cause has the reason): the cause, in words."""
+    cause = exception.__cause__
+    if str(exception) or cause is None:
+        return exception
+    return RequestError(f"vLLM refused the request: {type(cause).__name__}: {cause}")
+
+
+@dataclass
+class _End:
+    """The last item of a stream's queue: how its request ended."""
+
+    error: BaseException | None
 
 
 class EngineCore:
     """One vLLM ``AsyncLLM`` with nnsight's workers on Ray rank actors."""
 
-    def __init__(self, llm: Any, notify: Notify, describe_dead: DescribeDead) -> None:
+    def __init__(self, llm: Any, notify: Notify, describe_dead: DescribeDead,
+                 on_dead: Callable[[EngineDeadError], None] | None = None) -> None:
         self.llm = llm
         self.notify = notify
         self.describe_dead = describe_dead
+        self.on_dead = on_dead
         self.dead: EngineDeadError | None = None
+        # Every request submitted and not yet handed to ``notify``, by request id.
+        self._unreported: dict[str, Report] = {}
         self._pending: list[Report] = []
         self._flush: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._died = asyncio.Event()
         # Time the loop spent in collection: the stash RPCs, during which vLLM's
         # engine core runs no step (health() reports it; see the stall benchmark).
         self.collect_stats = {"calls": 0, "requests": 0, "seconds": 0.0, "max_s": 0.0}
@@ -60,60 +99,90 @@ class EngineCore:
     def submit(self, group: str, prompts: list, params: list, loras: list | None = None) -> None:
         """Start one request per prompt; each reports to the merge actor when done."""
         for index, (prompt, param) in enumerate(zip(prompts, params)):
-            lora = loras[index] if loras else None
-            task = asyncio.ensure_future(self._run(group, index, prompt, param, lora))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._start(self._track(group, index), prompt, param, loras[index] if loras else None)
 
-    async def _run(self, group: str, index: int, prompt: Any, param: Any, lora: Any) -> None:
-        request_id = f"{group}-{index}"
+    def _track(self, group: str, index: int) -> Report:
+        report = Report(group, index, f"{group}-{index}")
+        self._unreported[report.request_id] = report
+        return report
+
+    def _start(self, report: Report, prompt: Any, param: Any, lora: Any, queue: asyncio.Queue | None = None):
+        task = asyncio.ensure_future(self._run(report, prompt, param, lora, queue))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _run(self, report: Report, prompt: Any, param: Any, lora: Any,
+                   queue: asyncio.Queue | None = None) -> None:
+        """Run one request to its end and report it, whatever ends it.
+
+        ``queue`` (streams) receives every step's output, then an ``_End``.
+        Cancelled (by ``fail``, or a stream consumer that left) or not, the
+        ``finally`` reports: no path out of here skips ``finish``.
+        """
         output, error = None, None
         try:
-            if self.dead is not None:
-                raise self.dead
-            async for output in self.llm.generate(prompt, param, request_id, lora_request=lora):
-                pass
-        except asyncio.CancelledError:
-            error = self.dead or RuntimeError(f"request {request_id} was cancelled")
-        except Exception as exception:  # bad prompt, engine dead, ...
-            error = await self._explain(exception)
-        finished = output is not None and output.finished and error is None
-        self.finish(group, index, request_id, output if finished else None, error)
+            try:
+                if self.dead is not None:
+                    raise self.dead
+                async for output in self.llm.generate(prompt, param, report.request_id, lora_request=lora):
+                    if queue is not None:
+                        queue.put_nowait(output)
+            except Exception as exception:  # bad prompt, engine dead, ...
+                error = await self._explain(exception)
+        except BaseException:  # cancelled, possibly while explaining
+            error = self.dead or error or RuntimeError(
+                f"{'stream' if queue is not None else 'request'} {report.request_id} "
+                "was closed before it finished")
+        finally:
+            finished = output is not None and output.finished and error is None
+            if not finished and error is None:
+                error = RuntimeError(f"request {report.request_id} ended without a finished output")
+            self.finish(report, output if finished else None, error)
+            if queue is not None:
+                queue.put_nowait(_End(error))
 
     async def stream(self, group: str, prompt: Any, param: Any, lora: Any = None):
         """Yield each step's output as vLLM produces it (one request, group of one).
 
         The finished output is collected and handed to the merge actor like any
-        other; a consumer that closes the stream early aborts the request, and the
-        ``finally`` winds its workers up on every rank, so nothing leaks.
+        other; a consumer that closes the stream early cancels the request's task
+        (vLLM aborts the request), which still reports, so its workers are wound
+        up on every rank and nothing leaks. An engine death ends the stream with
+        the engine's error.
         """
-        request_id = f"{group}-0"
-        output, error, finished = None, None, False
+        queue: asyncio.Queue = asyncio.Queue()
+        task = self._start(self._track(group, 0), prompt, param, lora, queue)
         try:
-            if self.dead is not None:
-                raise self.dead
-            async for output in self.llm.generate(prompt, param, request_id, lora_request=lora):
-                finished = output.finished
-                yield output
-        except Exception as exception:
-            error = await self._explain(exception)
-            raise error from exception
+            while True:
+                item = await queue.get()
+                if isinstance(item, _End):
+                    if item.error is not None:
+                        raise item.error
+                    return
+                yield item
         finally:
-            if not finished:
-                await self.llm.abort(request_id)
-                error = error or RuntimeError(f"stream {request_id} was closed before it finished")
-            self.finish(group, 0, request_id, output if finished else None, error)
+            if not task.done():
+                task.cancel()
 
     # -- collect ------------------------------------------------------------
 
-    def finish(self, group: str, index: int, request_id: str, output: Any, error: BaseException | None) -> None:
+    def finish(self, report: Report, output: Any, error: BaseException | None) -> None:
         """Queue a finished (or failed, or aborted) request for collection; never waits.
 
         Requests finishing close together are collected by one
         ``collective_rpc("nnsight_ray_stash")`` and handed to the merge actors in
         one batch, so per-request cost on the engine's event loop is a list append.
+        A request already handed over (by ``fail``) is not reported again.
         """
-        self._pending.append((group, index, request_id, output, error))
+        if report.request_id not in self._unreported:
+            return
+        report.output, report.error = output, error
+        if self.dead is not None:  # nothing to collect from a dead engine
+            report.output, report.error = None, error or self.dead
+            self._hand_over([report])
+            return
+        self._pending.append(report)
         if self._flush is None or self._flush.done():
             self._flush = asyncio.ensure_future(self._flush_pending())
 
@@ -121,26 +190,44 @@ class EngineCore:
         await asyncio.sleep(0)  # let every request finishing in this step enqueue first
         while self._pending:
             batch, self._pending = self._pending, []
-            if self.dead is None:
-                ids = [rid for _, _, rid, _, _ in batch]
-                outputs = {rid: out for _, _, rid, out, _ in batch if out is not None}
-                began = time.perf_counter()
-                try:
-                    await self.llm.collective_rpc(
-                        "nnsight_ray_stash", args=(ids, pickle.dumps(outputs) if outputs else None)
-                    )
-                except Exception as exception:
-                    failure = await self._explain(exception)
-                    batch = [(g, i, rid, None, err or failure) for g, i, rid, _, err in batch]
-                spent = time.perf_counter() - began
-                stats = self.collect_stats
-                stats["calls"] += 1
-                stats["requests"] += len(ids)
-                stats["seconds"] += spent
-                stats["max_s"] = max(stats["max_s"], spent)
-            else:
-                batch = [(g, i, rid, None, err or self.dead) for g, i, rid, _, err in batch]
-            self.notify(batch)
+            try:
+                await self._collect(batch)
+            except Exception as exception:  # never leave a batch unreported
+                logger.exception("collecting %d finished request(s) failed", len(batch))
+                for report in batch:
+                    report.output, report.error = None, report.error or exception
+            self._hand_over(batch)
+
+    async def _collect(self, batch: list[Report]) -> None:
+        """Stash every rank's saves of ``batch`` (one RPC); on failure, fail them all."""
+        if self.dead is not None:
+            for report in batch:
+                report.output, report.error = None, report.error or self.dead
+            return
+        ids = [r.request_id for r in batch]
+        outputs = {r.request_id: r.output for r in batch if r.output is not None}
+        began = time.perf_counter()
+        try:
+            await self.llm.collective_rpc("nnsight_ray_stash", args=(ids, pickle.dumps(outputs) if outputs else None))
+        except Exception as exception:
+            failure = await self._explain(exception)
+            for report in batch:
+                report.output, report.error = None, report.error or failure
+        spent = time.perf_counter() - began
+        stats = self.collect_stats
+        stats["calls"] += 1
+        stats["requests"] += len(ids)
+        stats["seconds"] += spent
+        stats["max_s"] = max(stats["max_s"], spent)
+
+    def _hand_over(self, batch: list[Report]) -> None:
+        """``notify`` the reports not handed over yet (each request exactly once)."""
+        fresh = [r for r in batch if self._unreported.pop(r.request_id, None) is not None]
+        if fresh:
+            try:
+                self.notify(fresh)
+            except Exception:
+                logger.exception("could not hand %d finished request(s) to the merge actors", len(fresh))
 
     # -- health -------------------------------------------------------------
 
@@ -153,16 +240,39 @@ class EngineCore:
         if self.dead is not None:
             return self.dead
         if isinstance(exception, VLLMEngineDead) or getattr(self.llm, "errored", False):
-            await self.fail(EngineDeadError(await self.describe_dead()))
+            await self.fail(EngineDeadError(await self._describe()))
             return self.dead
-        return exception
+        return refusal(exception)
+
+    async def _describe(self) -> str:
+        try:
+            return await asyncio.wait_for(self.describe_dead(), DESCRIBE_TIMEOUT_S)
+        except Exception:
+            logger.warning("could not tell what killed the engine", exc_info=True)
+            return ("the engine is dead: vLLM's engine core failed (what died could not be read in "
+                    f"{DESCRIBE_TIMEOUT_S:.0f} s; see the engine actor's log)")
 
     async def fail(self, error: EngineDeadError) -> None:
-        """Declare the engine dead: every pending request fails with ``error``, now."""
+        """Declare the engine dead: every request not yet reported fails with ``error``, now."""
         if self.dead is not None:
             return
         self.dead = error
+        self._died.set()
         logger.error("%s", error)
+        # First report, then cancel: a cancelled task (or a collection blocked in
+        # a collective with a dead rank) must not be what a caller waits on.
+        orphans = list(self._unreported.values())
+        for report in orphans:
+            report.output, report.error = None, report.error or error
+        self._pending = []
+        self._hand_over(orphans)
+        if self.on_dead is not None:
+            try:
+                self.on_dead(error)
+            except Exception:
+                logger.exception("could not pass the engine's death on")
+        if self._flush is not None:
+            self._flush.cancel()
         for task in list(self._tasks):
             task.cancel()
         try:
@@ -173,7 +283,18 @@ class EngineCore:
     async def rpc(self, method: str, args: tuple = ()) -> list:
         if self.dead is not None:
             raise self.dead
+        call = asyncio.ensure_future(self.llm.collective_rpc(method, args=args))
+        died = asyncio.ensure_future(self._died.wait())
         try:
-            return await self.llm.collective_rpc(method, args=args)
+            # A collective with a dead rank may never return: the engine's death ends the wait.
+            await asyncio.wait({call, died}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            died.cancel()
+            if not call.done():
+                call.cancel()
+        if call.cancelled():
+            raise self.dead
+        try:
+            return call.result()
         except Exception as exception:
             raise await self._explain(exception) from exception

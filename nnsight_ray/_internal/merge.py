@@ -1,6 +1,8 @@
 """Merge each finished request's per-rank payloads and hand results to callers.
 
-Pure logic (no Ray calls): ``MergeActor`` in ``deploy.py`` wraps it. The
+Pure logic (no Ray calls): ``MergeActor`` in ``deploy.py`` is a shell over
+``MergeBook`` (groups, waiting, expiry, death), which it feeds with what it
+takes from the ranks. The
 semantics are nnsight's own, applied to payloads that come from separate
 processes: ``merge_collected`` (union across pipeline stages, the earliest
 rank's value where tensor-parallel ranks report the same registered name,
@@ -13,10 +15,13 @@ ref resolves to exactly what a blocking trace pushes into the caller's frame.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
+
+from ..errors import EngineDeadError
 
 
 @dataclass
@@ -55,6 +60,93 @@ class Group:
         return [self.outputs[i] for i in range(self.size)]
 
 
+class MergeBook:
+    """One merge actor's groups: what has arrived, who waits for what, expiry, and death.
+
+    ``fail(message)`` is the way out for every waiter: the engine (or the merge
+    actor's own watch on the engine actor) declares the deployment dead, every
+    group still incomplete fails with ``EngineDeadError(message)``, and every
+    later wait fails at once with the same message.
+    """
+
+    def __init__(self, abandon_after_s: float, ttl_s: float) -> None:
+        self.abandon_after_s = abandon_after_s
+        self.ttl_s = ttl_s
+        self.groups: dict[str, Group] = {}
+        self.waiters: dict[str, asyncio.Event] = {}
+        self.dead: str | None = None
+        self.bytes_merged = 0
+        self.requests_merged = 0  # finished requests handed over by the engine
+        self.groups_expired = 0  # dropped by the sweep: caller gone, or never came for them
+
+    def group(self, key: str) -> Group:
+        return self.groups.setdefault(key, Group(size=0))
+
+    def arrive(self, reports: list[Any], per_rank: list[list[bytes | None]],
+               failure: BaseException | None = None) -> None:
+        """Merge finished requests (``engine.Report``s); ``per_rank[r][i]``: rank r's payload of report i."""
+        now = time.monotonic()
+        for position, report in enumerate(reports):
+            payloads = [taken[position] for taken in per_rank]
+            self.bytes_merged += sum(len(p) for p in payloads if p)
+            self.requests_merged += 1
+            state = self.group(report.group)
+            error = report.error or failure
+            if error is None:
+                try:
+                    state.outputs[report.index] = merge_request(report.output, report.request_id, payloads)
+                except Exception as exception:  # a payload that cannot be read fails its own group only
+                    error = exception
+            if error is not None:
+                state.error = state.error or error
+            state.finished = now  # last activity: see Group.expired
+            self._wake(report.group)
+
+    def _wake(self, key: str) -> None:
+        event = self.waiters.get(key)
+        if event is not None:
+            event.set()
+
+    async def wait(self, key: str, size: int) -> Group:
+        """The group once all ``size`` requests arrived (or it failed); it is then forgotten."""
+        if self.dead is not None and key not in self.groups:
+            raise EngineDeadError(self.dead)
+        state = self.group(key)
+        state.size = size
+        event = self.waiters.setdefault(key, asyncio.Event())
+        try:
+            while not state.complete:
+                event.clear()
+                await event.wait()
+        finally:
+            self.waiters.pop(key, None)
+            self.groups.pop(key, None)
+        return state
+
+    def fail(self, message: str) -> None:
+        """The deployment is dead: fail every incomplete group now, and every later wait."""
+        if self.dead is not None:
+            return
+        self.dead = message
+        for key, state in self.groups.items():
+            if not state.complete:
+                state.error = EngineDeadError(message)
+            self._wake(key)
+
+    def sweep(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for key, state in list(self.groups.items()):
+            if state.expired(now, key in self.waiters, self.abandon_after_s, self.ttl_s):
+                del self.groups[key]
+                self.groups_expired += 1
+
+    def stats(self) -> dict[str, Any]:
+        self.sweep()
+        return {"groups": len(self.groups), "waiting": len(self.waiters), "bytes_merged": self.bytes_merged,
+                "requests_merged": self.requests_merged, "groups_expired": self.groups_expired,
+                "dead": self.dead}
+
+
 def merge_request(output: Any, request_id: str, payloads: list[bytes | None]) -> Any:
     """Attach a finished request's merged saves (ranks' payloads in rank order) to its output."""
     from nnsight.modeling.vllm.engines.engine import attach, merge_collected
@@ -85,7 +177,11 @@ def trace_result(outputs: list[Any], presaved: set[str]) -> dict[str, Any]:
     try:
         VLLM._collect([stand_in], outputs)
     except BaseException as exception:  # a deferred intervention error, re-raised by _collect
-        error = capture_exception(exception)
+        # The request's own deferred error (its type and message, as a blocking
+        # trace re-raises it), not the RuntimeError _collect wrapped it in.
+        deferred = [e for e in (getattr(o, "nnsight_error", None) for o in outputs)
+                    if e and not e.get("is_control_flow")]
+        error = deferred[0] if deferred else capture_exception(exception)
     finally:
         # `_collect` marks values in this thread's saved-id set, the gate a
         # trace's push consults; nothing traces here, so keep it from growing.

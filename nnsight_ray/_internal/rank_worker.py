@@ -48,6 +48,40 @@ def stash_size() -> int:
         return len(_stash)
 
 
+def serialize_entry(request_id: str, entry: dict[str, Any], dumps: Any) -> bytes:
+    """One request's collect payload; if it cannot be pickled, a payload carrying that error instead.
+
+    Each request is pickled on its own, so a value that cannot travel fails
+    only the request that saved it: its batch-mates' payloads are untouched.
+    The error names the value (``saves['name']``) and why.
+    """
+    try:
+        return dumps({request_id: entry})
+    except Exception as exception:
+        culprit = _unserializable(entry, dumps)
+        message = (f"could not serialize {culprit} of request {request_id} to send it home: "
+                   f"{type(exception).__name__}: {exception}. Save tensors, numbers, strings and "
+                   "containers of them (convert other objects before .save()).")
+        failed = {"saves": {}, "registered": {}, "sequences": {},
+                  "error": {"type_name": "TypeError", "message": message, "traceback": "", "is_control_flow": False}}
+        return dumps({request_id: failed})
+
+
+def _unserializable(entry: dict[str, Any], dumps: Any) -> str:
+    """Which saved value of ``entry`` cannot be pickled, as ``saves['name']`` (best effort)."""
+    places = [("saves", entry.get("saves") or {}), ("registered", entry.get("registered") or {})]
+    for index, sequence in (entry.get("sequences") or {}).items():
+        places += [(f"sequences[{index}].saves", sequence.get("saves") or {}),
+                   (f"sequences[{index}].registered", sequence.get("registered") or {})]
+    for where, values in places:
+        for name, value in values.items():
+            try:
+                dumps(value)
+            except Exception:
+                return f"the saved value {where}[{name!r}] ({type(value).__name__})"
+    return "a saved value"
+
+
 class RankRPCMixin:
     """Describe this rank; collect finished requests into the rank-local stash."""
 
@@ -61,6 +95,7 @@ class RankRPCMixin:
             "pid": os.getpid(),
             "node_id": None,
             "actor_name": None,
+            "actor_id": None,
         }
         try:
             import ray
@@ -69,6 +104,7 @@ class RankRPCMixin:
                 ctx = ray.get_runtime_context()
                 info["node_id"] = ctx.get_node_id()
                 info["actor_name"] = ctx.get_actor_name()
+                info["actor_id"] = ctx.get_actor_id()
         except Exception:  # not under Ray (multiprocessing executor)
             pass
         return info
@@ -90,7 +126,7 @@ class RankRPCMixin:
         sizes = []
         for rid in request_ids:
             entry = collected.get(rid) if collected else None
-            payload = dumps({rid: entry}) if entry is not None else b""
+            payload = serialize_entry(rid, entry, dumps) if entry is not None else b""
             stash_put(rid, payload)
             sizes.append(len(payload))
         return sizes

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import cloudpickle
 import nnsight
@@ -494,47 +495,154 @@ def test_control_flow_on_a_later_stages_value_fails_clearly(pp, ref):
     assert "at step 1" in text and "GhostStop: bool() of model.model.layers.3.output" in text
 
 
-# --- 6. a rank that dies (last on pp2: it kills that engine) ----------------------
+# --- 6. whatever dies, every waiter gets out (last on their engines) ---------------
+#
+# Each kill starts the four kinds of waiter on the deployment (a blocking
+# two-invoke trace, a non-blocking trace's ref, a plain generate, an async
+# stream), kills one actor, and checks that every waiter fails within 10 s with
+# the deployment's one death message (what died, which actor, which node), that
+# health() says so, and that a new call fails at once with the same message.
+
+LONG = dict(temperature=0.0, max_tokens=200, ignore_eos=True)
+WAIT_S = 10.0
+
+
+def start_waiters(model, streamer) -> dict:
+    """Start one waiter of each kind on ``model`` (``streamer``: the same deployment, mode="async")."""
+    import asyncio
+    import threading
+
+    outcomes: dict = {}
+
+    def run(kind, call):
+        try:
+            outcomes[kind] = ("returned", call())
+        except BaseException as error:  # noqa: BLE001 - recorded and asserted
+            outcomes[kind] = ("raised", error, time.monotonic())
+
+    def blocking():
+        with model.trace(**LONG) as tracer:
+            with tracer.invoke("Hello world"):
+                a = model.model.layers[0].output[0].save()
+            with tracer.invoke("The quick brown fox"):
+                b = model.model.layers[0].output[0].save()
+        return a, b
+
+    async def stream():
+        with streamer.trace("Hello world", **LONG) as tracer:
+            streamer.model.layers[0].output[0].save()
+        return [output async for output in tracer.backend]
+
+    with model.trace("abc", blocking=False, **LONG) as tracer:
+        model.model.layers[0].output[0].save()
+    threads = [threading.Thread(target=run, args=args, daemon=True) for args in [
+        ("blocking trace", blocking),
+        ("generate", lambda: model.generate(["a", "b"], **LONG)),
+        ("non-blocking ref", lambda: tracer.collect()),
+        ("async stream", lambda: asyncio.run(stream())),
+    ]]
+    for thread in threads:
+        thread.start()
+    time.sleep(2.0)  # every request is generating
+    return {"outcomes": outcomes, "threads": threads, "ref": tracer.ref}
+
+
+def assert_every_waiter_fails(waiters: dict, killed_at: float, *names: str) -> str:
+    """Every waiter raised EngineDeadError within WAIT_S of the kill, each naming ``names``; the message."""
+    from nnsight_ray.errors import EngineDeadError
+
+    for thread in waiters["threads"]:
+        thread.join(timeout=max(0.1, killed_at + WAIT_S + 5 - time.monotonic()))
+    outcomes = waiters["outcomes"]
+    assert sorted(outcomes) == sorted(["blocking trace", "generate", "non-blocking ref", "async stream"]), \
+        f"still waiting after {WAIT_S + 5:.0f} s: {outcomes}"
+    messages = set()
+    for kind, outcome in outcomes.items():
+        assert outcome[0] == "raised", f"{kind} returned {outcome[1]!r}"
+        error, at = outcome[1], outcome[2]
+        assert isinstance(error, EngineDeadError), f"{kind}: {type(error).__name__}: {error}"
+        assert at - killed_at < WAIT_S, f"{kind} waited {at - killed_at:.1f} s"
+        for name in names:
+            assert name in str(error), f"{kind}: {error}"
+        messages.add(str(error))
+    assert len(messages) == 1, messages  # one message for everyone
+    return messages.pop()
+
+
+def assert_dead_everywhere(model, message: str, dead_actor: str) -> None:
+    """health() names the dead actor; a new call fails at once with the same message."""
+    from nnsight_ray.errors import EngineDeadError
+
+    health = model.health()
+    assert health["alive"] is False and health["error"] == message
+    states = {a["name"]: a["state"] for a in health["actors"]}
+    assert states[dead_actor] == "DEAD", states
+    assert {a["role"] for a in health["actors"]} == {"engine", "merge", "rank"}
+    began = time.monotonic()
+    with pytest.raises(EngineDeadError) as later:
+        with model.trace("Hello", temperature=0.0, max_tokens=1):
+            model.model.layers[0].output[0].save()
+    assert str(later.value) == message and time.monotonic() - began < 5
+
+
+def nothing_left(name: str) -> None:
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert not [n for n in names if n.startswith(f"{name}.")], names
+    groups = [pg for pg in ray.util.placement_group_table().values()
+              if pg.get("name") == f"{name}.ranks" and pg["state"] != "REMOVED"]
+    assert not groups, groups
 
 
 @pytest.mark.parametrize("engine", ["pp2"], indirect=True, scope="module")
-def test_killed_rank_fails_pending_requests_and_engine_rebuilds(engine, model_dir):
-    """Stage 1's rank dies mid-generation: pending and new requests fail fast, naming it and its node.
+def test_killed_rank_or_merge_fails_every_waiter_and_engine_rebuilds(engine, model_dir, reference):
+    """Stage 1's rank dies mid-generation: every waiter fails fast, naming it and its node; rebuilt, then
+    its merge actor dies the same way.
 
     The last test on the ``pp2`` engine (pytest runs a layout's tests in file
-    order); the rebuilt deployment takes the same name and serves.
+    order); the rebuilt deployment takes the same name and matches the
+    single-device reference.
     """
-    import time
-
     from nnsight_ray import RayVLLM
-    from nnsight_ray.errors import EngineDeadError
 
     name, victim = engine
     dead = victim.topology()[1]
-    with victim.trace("Hello world", temperature=0.0, max_tokens=200, ignore_eos=True, blocking=False) as tracer:
-        victim.model.layers[0].output[0].save()
-    time.sleep(1.0)  # let it start generating
+    streamer = RayVLLM.connect(name, mode="async")
+    waiters = start_waiters(victim, streamer)
     ray.kill(ray.get_actor(dead["actor_name"], namespace="nnsight_ray"))
-    started = time.monotonic()
-    with pytest.raises(EngineDeadError) as info:
-        tracer.collect(timeout=90)
-    assert time.monotonic() - started < 60
-    message = str(info.value)
-    assert dead["actor_name"] in message and dead["node_id"] in message
-    assert victim.health()["alive"] is False
-    # New requests fail at once with the same explanation, rather than hanging.
-    with pytest.raises(EngineDeadError):
-        with victim.trace("Hello", temperature=0.0, max_tokens=1):
-            victim.model.layers[0].output[0].save()
+    message = assert_every_waiter_fails(waiters, time.monotonic(), dead["actor_name"], dead["node_id"], "rank pp1.tp0")
+    assert_dead_everywhere(victim, message, dead["actor_name"])
     victim.shutdown()
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-    assert not [n for n in names if n.startswith(f"{name}.")]
+    nothing_left(name)
 
     rebuilt = RayVLLM(model_dir, name=name, **LAYOUTS[name], **ENGINE_KWARGS)
     try:
-        with rebuilt.trace("Hello", temperature=0.0, max_tokens=1):
-            hidden = rebuilt.model.layers[3].output[0].save()
-        assert hidden.shape[-1] == 128
-        assert rebuilt.request_counts() == [0, 0]
+        check_against(reference, rebuilt)
+        # now its merge actor
+        merge = f"{name}.merge0"
+        streamer = RayVLLM.connect(name, mode="async")
+        waiters = start_waiters(rebuilt, streamer)
+        ray.kill(ray.get_actor(merge, namespace="nnsight_ray"))
+        message = assert_every_waiter_fails(waiters, time.monotonic(), f"merge actor {merge} on node ")
+        assert_dead_everywhere(rebuilt, message, merge)
     finally:
         rebuilt.shutdown()
+    nothing_left(name)
+
+
+@pytest.mark.parametrize("engine", ["tp2pp2"], indirect=True, scope="module")
+def test_killed_engine_actor_fails_every_waiter(engine):
+    """The engine actor dies: the merge actor's watch fails every waiter, naming it; shutdown cleans up.
+
+    The last test on ``tp2pp2``; the module fixture's teardown then checks
+    that its placement group is gone.
+    """
+    from nnsight_ray import RayVLLM
+
+    name, victim = engine
+    streamer = RayVLLM.connect(name, mode="async")
+    waiters = start_waiters(victim, streamer)
+    ray.kill(ray.get_actor(f"{name}.engine", namespace="nnsight_ray"))
+    message = assert_every_waiter_fails(waiters, time.monotonic(), f"engine actor {name}.engine on node ")
+    assert_dead_everywhere(victim, message, f"{name}.engine")
+    victim.shutdown()
+    nothing_left(name)

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 
+import nnsight
 import pytest
 import ray
 import torch
@@ -148,6 +149,75 @@ def test_bad_requests_fail_alone_while_others_succeed(ray_tp1, local_llama):
     # And the engine still serves the next trace.
     got, _ = layer_and_logits(ray_tp1, "Hello world")
     assert_close(got, want)
+
+
+def test_bad_input_is_refused_in_words_and_an_int_prompt_is_what_local_makes_of_it(ray_tp1, local_llama):
+    import uuid
+
+    from vllm import SamplingParams
+
+    from nnsight_ray.errors import RequestError
+
+    with pytest.raises(TypeError, match=r"prompt 0 is NoneType None: give a string, a list of token ids"):
+        with ray_tp1.trace(None, temperature=0.0, max_tokens=1):
+            ray_tp1.model.layers[0].output[0].save()
+    with pytest.raises(TypeError, match=r"sampling_params\[0\] is dict, not vllm.SamplingParams"):
+        ray_tp1.vllm_entrypoint.generate(["Hello"], {"max_tokens": 1})
+    with pytest.raises(TypeError, match=r"prompt 0 is int 5"):
+        ray_tp1.generate(5, max_tokens=1)
+    # A refusal inside vLLM (its EngineGenerateError has no message) comes back with its cause.
+    engine = ray_tp1.vllm_entrypoint
+    group = uuid.uuid4().hex
+    engine.engine.submit.remote(group, [None], [SamplingParams(max_tokens=1)])
+    with pytest.raises(RequestError, match=r"vLLM refused the request: TypeError: \w+"):
+        engine.wait(engine._merge(group).outputs.remote(group, 1), timeout=60)
+
+    # `model.trace(5)`: vLLM reads a list of ints as token ids, LocalVLLM included; so here.
+    def token_five(model):
+        with model.trace(5, temperature=0.0, max_tokens=2) as tracer:
+            result = tracer.result.save()
+        return list(result.prompt_token_ids), list(result.outputs[0].token_ids)
+
+    assert token_five(ray_tp1) == token_five(local_llama)
+    assert token_five(ray_tp1)[0] == [5]
+
+
+def test_an_unpicklable_save_fails_alone_beside_a_good_trace_in_the_same_step(ray_tp1, local_llama):
+    """Two traces finishing in one engine step share one collection; only the unpicklable one fails.
+
+    Both are built first and submitted back to back while a long request keeps
+    the engine stepping; whether they land in one step is up to the scheduler,
+    so up to a few attempts are made, each checked, until one shares a step.
+    """
+    engine = ray_tp1.vllm_entrypoint
+    want, _ = layer_and_logits(local_llama, "Hello world")
+    with ray_tp1.trace("Hello", temperature=0.0, max_tokens=200, ignore_eos=True, blocking=False) as busy:
+        ray_tp1.model.layers[0].output[0].save()
+    shared = []
+    for attempt in range(8):
+        built = []
+        submit = engine.trace_ref
+        engine.trace_ref = lambda *request: built.append(request)
+        try:
+            with ray_tp1.trace("Hello world", temperature=0.0, max_tokens=3, blocking=False):
+                hidden = ray_tp1.model.layers[2].output[0].clone().save()  # noqa: F841 - the trace's save
+            with ray_tp1.trace("Hello world", temperature=0.0, max_tokens=3, blocking=False):
+                ray_tp1.model.layers[2].output[0].save()
+                gen = nnsight.save(i for i in range(3))  # noqa: F841 - a generator: pickle cannot carry it
+        finally:
+            engine.trace_ref = submit
+        before = ray_tp1.health()["collect"]
+        good, bad = [submit(*request) for request in built]
+        assert_close(engine.wait(good, timeout=60)["saves"]["hidden"], want)
+        result = engine.wait(bad, timeout=60)
+        assert result["error"]["type_name"] == "TypeError", result["error"]
+        assert "could not serialize the saved value saves['gen'] (generator)" in result["error"]["message"]
+        after = ray_tp1.health()["collect"]
+        shared.append((after["calls"] - before["calls"], after["requests"] - before["requests"]))
+        if shared[-1] == (1, 2):  # one collection carried both
+            break
+    busy.collect(timeout=120)
+    assert shared[-1] == (1, 2), f"never in one step: (collections, requests) per attempt {shared}"
 
 
 def test_oversized_prompt_fails_with_a_clear_error(ray_tp1):

@@ -1,0 +1,358 @@
+"""Fail-stop logic with fakes (no Ray, no engine): every request reports, every waiter gets out.
+
+``EngineCore`` runs over a fake vLLM ``AsyncLLM``; ``MergeBook`` and the
+liveness helpers are driven directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import threading
+from types import SimpleNamespace
+
+import pytest
+# vLLM's own engine-dead error, imported now: EngineCore imports it on first use, and a
+# first import inside a scenario would block its event loop for seconds.
+from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
+
+from nnsight_ray._internal import liveness
+from nnsight_ray._internal.engine import EngineCore, Report
+from nnsight_ray._internal.liveness import ActorRecord, ActorState
+from nnsight_ray._internal.merge import MergeBook
+from nnsight_ray._internal.payload import dumps
+from nnsight_ray._internal.rank_worker import serialize_entry
+from nnsight_ray.errors import EngineDeadError
+
+
+def _vllm_dead(message: str = "engine core died") -> Exception:
+    return VLLMEngineDead(message)
+
+
+class FakeLLM:
+    """vLLM's ``AsyncLLM`` surface that ``EngineCore`` uses; each prompt says how its request behaves.
+
+    ``"ok"`` finishes after one step, ``"hang"`` never finishes, ``"die"``
+    raises vLLM's engine-dead error once ``die`` is set, ``"bad"`` raises a
+    ValueError at once. ``collective_rpc`` hangs while ``block_collect`` is set.
+    """
+
+    def __init__(self) -> None:
+        self.errored = False
+        self.die = asyncio.Event()
+        self.block_collect = False
+        self.rpcs: list[tuple] = []
+        self.aborted: list[str] = []
+        self.shut = False
+
+    async def generate(self, prompt, param, request_id, lora_request=None):
+        try:
+            if prompt == "bad":
+                raise ValueError("prompt must be a string")
+            yield SimpleNamespace(finished=False, request_id=request_id)
+            if prompt == "ok":
+                yield SimpleNamespace(finished=True, request_id=request_id)
+                return
+            if prompt == "die":
+                await self.die.wait()
+                self.errored = True
+                raise _vllm_dead()
+            await asyncio.Event().wait()  # "hang"
+        except asyncio.CancelledError:
+            self.aborted.append(request_id)
+            raise
+
+    async def collective_rpc(self, method, args=()):
+        self.rpcs.append((method, args))
+        if self.block_collect:
+            await asyncio.Event().wait()
+        return [None]
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+class Harness:
+    def __init__(self, describe_delay_s: float = 0.0) -> None:
+        self.llm = FakeLLM()
+        self.reports: list[Report] = []
+        self.told: list[str] = []
+
+        async def describe() -> str:
+            await asyncio.sleep(describe_delay_s)
+            return "the engine is dead: rank pp0.tp1 (actor e.pp0.tp1) on node n1 died"
+
+        self.core = EngineCore(self.llm, self.reports.extend, describe, on_dead=lambda e: self.told.append(str(e)))
+
+    def by_id(self) -> dict[str, Report]:
+        ids = [r.request_id for r in self.reports]
+        assert len(ids) == len(set(ids)), f"a request was reported twice: {ids}"
+        return {r.request_id: r for r in self.reports}
+
+
+async def _settle(steps: int = 20) -> None:
+    for _ in range(steps):
+        await asyncio.sleep(0)
+
+
+def test_engine_death_while_requests_explain_it_still_reports_every_request_once():
+    """The issue's hang: requests cancelled while awaiting ``_explain`` never reached ``finish``."""
+
+    async def scenario():
+        h = Harness(describe_delay_s=0.05)  # slow diagnosis: the others arrive in _explain meanwhile
+        h.core.submit("g", ["die", "die", "die", "hang"], [None] * 4)
+        await _settle()
+        h.llm.die.set()
+        await asyncio.sleep(0.3)
+        return h
+
+    h = asyncio.run(scenario())
+    reports = h.by_id()
+    assert sorted(reports) == ["g-0", "g-1", "g-2", "g-3"]
+    for report in reports.values():
+        assert isinstance(report.error, EngineDeadError) and "e.pp0.tp1" in str(report.error)
+        assert report.output is None
+    assert h.llm.shut and h.told == [str(h.core.dead)]
+
+
+def test_fail_reports_requests_whose_collection_is_stuck():
+    """A collection blocked in a collective with a dead rank: ``fail`` reports its requests itself."""
+
+    async def scenario():
+        h = Harness()
+        h.llm.block_collect = True
+        h.core.submit("g", ["ok", "ok"], [None, None])
+        h.core.submit("h", ["hang"], [None])
+        await _settle()
+        assert h.llm.rpcs and not h.reports  # collecting, stuck
+        await h.core.fail(EngineDeadError("the engine is dead: rank x died"))
+        await _settle()
+        # and a request after the death fails at once, with the same error
+        h.core.submit("later", ["ok"], [None])
+        await _settle()
+        return h
+
+    h = asyncio.run(scenario())
+    reports = h.by_id()
+    assert sorted(reports) == ["g-0", "g-1", "h-0", "later-0"]
+    assert {str(r.error) for r in reports.values()} == {"the engine is dead: rank x died"}
+
+
+def test_a_bad_request_fails_alone_and_good_ones_are_collected_together():
+    async def scenario():
+        h = Harness()
+        h.core.submit("g", ["ok", "bad", "ok"], [None] * 3)
+        await _settle()
+        return h
+
+    h = asyncio.run(scenario())
+    reports = h.by_id()
+    assert isinstance(reports["g-1"].error, ValueError) and reports["g-1"].output is None
+    assert reports["g-0"].error is None and reports["g-0"].output.finished
+    assert h.core.dead is None
+    stash_calls = [args for method, args in h.llm.rpcs if method == "nnsight_ray_stash"]
+    assert len(stash_calls) == 1 and sorted(stash_calls[0][0]) == ["g-0", "g-1", "g-2"]
+    assert sorted(pickle.loads(stash_calls[0][1])) == ["g-0", "g-2"]
+
+
+def test_stream_ends_with_the_engines_error_when_it_dies():
+    async def scenario():
+        h = Harness()
+        seen, caught = [], None
+
+        async def consume():
+            nonlocal caught
+            try:
+                async for output in h.core.stream("s", "hang", None):
+                    seen.append(output)
+            except EngineDeadError as error:
+                caught = error
+
+        consumer = asyncio.ensure_future(consume())
+        await _settle()
+        await h.core.fail(EngineDeadError("the engine is dead: engine actor e.engine died"))
+        await asyncio.wait_for(consumer, 2)
+        return h, seen, caught
+
+    h, seen, caught = asyncio.run(scenario())
+    assert len(seen) == 1 and "e.engine" in str(caught)
+    assert list(h.by_id()) == ["s-0"]
+
+
+def test_stream_closed_early_aborts_and_reports():
+    async def scenario():
+        h = Harness()
+        stream = h.core.stream("s", "hang", None)
+        await stream.__anext__()
+        await stream.aclose()
+        await _settle()
+        return h
+
+    h = asyncio.run(scenario())
+    assert h.llm.aborted == ["s-0"]
+    report = h.by_id()["s-0"]
+    assert report.output is None and "closed before it finished" in str(report.error)
+
+
+def test_rpc_on_an_engine_that_dies_mid_call_raises_its_death():
+    async def scenario():
+        h = Harness()
+        h.llm.block_collect = True
+        call = asyncio.ensure_future(h.core.rpc("nnsight_request_count"))
+        await _settle()
+        await h.core.fail(EngineDeadError("the engine is dead: rank y died"))
+        with pytest.raises(EngineDeadError, match="rank y"):
+            await asyncio.wait_for(call, 2)
+        with pytest.raises(EngineDeadError, match="rank y"):
+            await h.core.rpc("nnsight_request_count")
+
+    asyncio.run(scenario())
+
+
+# -- MergeBook ----------------------------------------------------------------
+
+
+def _report(group: str, index: int, output=None, error=None) -> Report:
+    return Report(group, index, f"{group}-{index}", output, error)
+
+
+def test_merge_fail_releases_every_waiter_and_later_waits_fail_at_once():
+    async def scenario():
+        book = MergeBook(abandon_after_s=30, ttl_s=3600)
+        waiting = asyncio.ensure_future(book.wait("g", 2))
+        await _settle()
+        book.fail("the engine is dead: engine actor e.engine on node n died")
+        with pytest.raises(EngineDeadError, match="e.engine on node n"):
+            state = await asyncio.wait_for(waiting, 1)
+            raise state.error
+        with pytest.raises(EngineDeadError, match="e.engine on node n"):
+            await asyncio.wait_for(book.wait("new", 1), 1)
+        return book
+
+    book = asyncio.run(scenario())
+    assert book.stats()["dead"].startswith("the engine is dead") and book.stats()["waiting"] == 0
+
+
+def test_merge_keeps_a_completed_groups_results_through_a_later_death():
+    async def scenario():
+        book = MergeBook(abandon_after_s=30, ttl_s=3600)
+        book.arrive([_report("g", 0, error=RuntimeError("its own"))], [[None]])
+        book.fail("dead")
+        state = await book.wait("g", 1)
+        return state
+
+    state = asyncio.run(scenario())
+    assert str(state.error) == "its own"
+
+
+# -- liveness -----------------------------------------------------------------
+
+
+def _entry(state: str, node: str, end_ms: float = 0.0) -> dict:
+    return {"State": state, "Address": {"NodeID": node}, "EndTime": end_ms}
+
+
+def test_dead_message_names_the_first_to_die_and_its_node():
+    rank0 = ActorRecord(liveness.RANK, "e.pp0.tp0", "a0", "n0", label="rank pp0.tp0")
+    rank1 = ActorRecord(liveness.RANK, "e.pp0.tp1", "a1", "n1", label="rank pp0.tp1")
+    merge = ActorRecord(liveness.MERGE, "e.merge0", "m0")
+    table = {"a0": _entry("DEAD", "n0", 2000), "a1": _entry("DEAD", "n1", 1000), "m0": _entry("ALIVE", "n2")}
+    states = liveness.read_states([rank0, rank1, merge], table.get)
+    message = liveness.dead_message(states, alive_nodes={"n0", "n2"})
+    assert message.startswith("the engine is dead: rank pp0.tp1 (actor e.pp0.tp1) on node n1 (node removed) died")
+    assert "model.shutdown()" in message
+    assert [s.as_dict()["state"] for s in states] == ["DEAD", "DEAD", "ALIVE"]
+    assert liveness.dead_message(states[2:], {"n2"}) is None
+
+
+def test_a_merge_actors_death_is_named_as_a_merge_actor():
+    merge = ActorRecord(liveness.MERGE, "e.merge0", "m0")
+    states = liveness.read_states([merge], {"m0": _entry("DEAD", "n2", 5)}.get)
+    assert "merge actor e.merge0 on node n2 (node alive) died" in liveness.dead_message(states, {"n2"})
+
+
+def test_unreadable_actor_is_unknown_not_dead():
+    def broken(actor_id):
+        raise ConnectionError("GCS unavailable")
+
+    states = liveness.read_states([ActorRecord(liveness.ENGINE, "e.engine", "x")], broken)
+    assert states[0].state == "UNKNOWN" and not states[0].dead
+
+
+def test_watch_loop_survives_a_failing_step():
+    calls = []
+
+    async def step() -> bool:
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("transient")
+        return True
+
+    asyncio.run(asyncio.wait_for(liveness.every(0.0, step, "test watch"), 2))
+    assert len(calls) == 3
+
+
+# -- per-request serialization ---------------------------------------------------
+
+
+def test_an_unpicklable_save_fails_only_its_request_and_names_the_value():
+    good = serialize_entry("a", {"saves": {"h": 1.5}, "error": None, "registered": {}, "sequences": {}}, dumps)
+    bad = serialize_entry("b", {"saves": {"ok": 2, "lock": threading.Lock()}, "error": None,
+                                "registered": {}, "sequences": {}}, dumps)
+    assert pickle.loads(good)["a"]["saves"] == {"h": 1.5}
+    entry = pickle.loads(bad)["b"]
+    assert entry["saves"] == {}
+    assert entry["error"]["type_name"] == "TypeError"
+    assert "saves['lock'] (lock)" in entry["error"]["message"] and "request b" in entry["error"]["message"]
+
+
+def test_actor_state_reports_its_cause():
+    cause = SimpleNamespace(actor_died_error_context=SimpleNamespace(error_message="killed by\n `ray.kill`."))
+    state = liveness.state_of(ActorRecord(liveness.ENGINE, "e.engine", "x"),
+                              {"State": "DEAD", "Address": {"NodeID": "n"}, "EndTime": 1, "DeathCause": cause})
+    assert isinstance(state, ActorState) and state.cause == "killed by `ray.kill`."
+    assert liveness.dead_message([state]).startswith(
+        "the engine is dead: engine actor e.engine on node n died (killed by `ray.kill`.)")
+
+
+# -- bad input, refused in the caller --------------------------------------------
+
+
+def test_bad_prompts_and_params_are_refused_in_words():
+    from vllm import SamplingParams
+
+    from nnsight_ray.ray_vllm import RemoteEngine
+
+    lists = RemoteEngine._lists
+    assert lists([5], None, None)[0] == [[5]]  # token id 5, as vLLM (and so LocalVLLM) reads it
+    assert lists("hi", SamplingParams(), None)[0] == ["hi"]
+    assert lists({"prompt_token_ids": [1, 2]}, None, None)[0] == [{"prompt_token_ids": [1, 2]}]
+    with pytest.raises(TypeError, match=r"prompt 0 is NoneType None: give a string, a list of token ids"):
+        lists([None], None, None)
+    with pytest.raises(TypeError, match=r"prompt 0 is int 5"):
+        lists(5, None, None)
+    with pytest.raises(TypeError, match=r"prompt 1 is float"):
+        lists(["a", 1.5], None, None)
+    with pytest.raises(ValueError, match=r"prompt 0 is a dict with keys \['text'\]"):
+        lists([{"text": "hi"}], None, None)
+    with pytest.raises(TypeError, match=r"sampling_params\[0\] is dict, not vllm.SamplingParams"):
+        lists(["hi"], {"max_tokens": 1}, None)
+
+
+def test_vllms_empty_generate_error_comes_back_with_its_cause():
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    from nnsight_ray._internal.engine import refusal
+    from nnsight_ray.errors import RequestError
+
+    try:
+        try:
+            raise TypeError("Prompt should be a string, list of tokens, or dictionary")
+        except TypeError as cause:
+            raise EngineGenerateError() from cause
+    except EngineGenerateError as wrapped:
+        error = refusal(wrapped)
+    assert isinstance(error, RequestError)
+    assert str(error) == "vLLM refused the request: TypeError: Prompt should be a string, list of tokens, or dictionary"
+    plain = ValueError("has a message")
+    assert refusal(plain) is plain
