@@ -202,7 +202,7 @@ class EngineActor:
 
         from . import platform
         from .engine import EngineCore
-        from .options import configure_engine_kwargs, release_placement_group
+        from .options import configure_engine_kwargs
 
         VLLM._require_v1_model_runner()
         kwargs = platform.engine_defaults(self.spec["engine_kwargs"])
@@ -213,12 +213,10 @@ class EngineActor:
         kwargs.update(distributed_executor_backend="ray", **self.spec["placement"])
         kwargs = configure_engine_kwargs(kwargs)
         began = time.monotonic()
-        try:
-            args = AsyncEngineArgs(model=self.spec["model"], worker_cls=platform.worker_cls(), enforce_eager=True, **kwargs)
-            llm = AsyncLLM.from_engine_args(args)
-        except BaseException:
-            release_placement_group(kwargs)
-            raise
+        # The rank placement group is deploy's (launch reserved it): if this
+        # fails, wait_started removes it by name, and nothing here does.
+        args = AsyncEngineArgs(model=self.spec["model"], worker_cls=platform.worker_cls(), enforce_eager=True, **kwargs)
+        llm = AsyncLLM.from_engine_args(args)
         vllm_up = time.monotonic()
         self.merges = [ray.get_actor(n, namespace=NAMESPACE) for n in self.spec["merge_names"]]
         self.core = EngineCore(llm, self._notify, self._describe_dead, on_dead=self._tell_merges)
@@ -405,8 +403,12 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
         )
     # Reserved here, before any actor starts: an unsatisfiable layout fails in
     # seconds with what the cluster has, not after an engine actor has loaded
-    # vLLM. Released at shutdown: by the executor, or by name in shutdown().
-    placement = reserve_placement_group(placement, engine_kwargs)
+    # vLLM. Released at shutdown: by the executor, or by name in shutdown(); a
+    # non-detached one also by Ray, with this process. A group of this name
+    # with no deployment left (a detached one whose actors were killed) is reclaimed.
+    if placement.placement_group_id is None and remove_named_placement_groups(placement_group_name(name)):
+        logger.warning("deployment %s: removed a rank placement group its previous deployment left", name)
+    placement = reserve_placement_group(placement, engine_kwargs, detached=detached)
     runtime_env = {"env_vars": forwarded_env()}
     merges = [
         ray.remote(MergeActor).options(name=n, namespace=NAMESPACE, lifetime=lifetime, num_cpus=0,

@@ -138,12 +138,18 @@ def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return engine
 
 
-def reserve_placement_group(placement: RankPlacement, engine_kwargs: dict[str, Any]) -> RankPlacement:
-    """``placement`` holding its own reserved group (``owns_placement_group``), unless it names one already."""
+def reserve_placement_group(placement: RankPlacement, engine_kwargs: dict[str, Any],
+                            detached: bool = False) -> RankPlacement:
+    """``placement`` holding its own reserved group (``owns_placement_group``), unless it names one already.
+
+    The group lives as long as its deployment: ``detached`` only for a detached
+    deployment (removed at its shutdown); otherwise Ray removes it with the
+    process (driver or actor) that reserved it, even one killed outright.
+    """
     if placement.placement_group_id is not None:
         return placement
     world = int(engine_kwargs.get("tensor_parallel_size", 1)) * int(engine_kwargs.get("pipeline_parallel_size", 1))
-    pg, _ = acquire_placement_group(world, resolve_device(placement))
+    pg, _ = acquire_placement_group(world, resolve_device(placement), detached=detached)
     return placement.model_copy(update={"placement_group_id": pg.id.hex(), "owns_placement_group": True})
 
 
@@ -154,8 +160,12 @@ def _bundles(world_size: int, placement: RankPlacement) -> list[dict[str, float]
     return [dict(bundle) for _ in range(world_size)]
 
 
-def acquire_placement_group(world_size: int, placement: RankPlacement):
-    """The rank bundles' placement group and whether we created it (and must remove it)."""
+def acquire_placement_group(world_size: int, placement: RankPlacement, detached: bool = False):
+    """The rank bundles' placement group and whether we created it (and must remove it).
+
+    A group created here is scoped to this process (its job, or the actor it
+    runs in) unless ``detached``.
+    """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -171,9 +181,10 @@ def acquire_placement_group(world_size: int, placement: RankPlacement):
             )
         return pg, False
     bundles = _bundles(world_size, placement)
-    # Detached: a named, detached deployment's engine outlives the job that
-    # reserved it; the executor (or release_placement_group) removes it.
-    pg = placement_group(bundles, strategy=placement.placement_strategy, lifetime="detached",
+    # Detached only for a detached deployment, which outlives the job that
+    # reserved it (deploy.shutdown removes it); any other is Ray's to remove
+    # with its creator, so a killed driver leaves nothing reserved.
+    pg = placement_group(bundles, strategy=placement.placement_strategy, lifetime="detached" if detached else None,
                          name=placement_group_name(placement.engine_name) if placement.engine_name else "")
     ready, _ = ray.wait([pg.ready()], timeout=placement.placement_timeout_s)
     if not ready:
@@ -204,8 +215,9 @@ def placement_group_name(engine_name: str) -> str:
 def remove_named_placement_groups(name: str) -> int:
     """Remove every live placement group called ``name`` (any namespace); how many were removed.
 
-    A backstop for a deployment whose engine was killed before its executor
-    could remove the group: the group is detached, so nothing else would.
+    A backstop for a detached deployment whose engine was killed before its
+    executor could remove the group (nothing else would), and how the next
+    deployment of that name reclaims one left behind.
     """
     import ray
     from ray.util.placement_group import remove_placement_group

@@ -5,6 +5,7 @@ Values are checked against nnsight's in-process engine (``local_llama``).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 import ray
 import torch
 
-from conftest import assert_close, request_counts
+from conftest import ENGINE_KWARGS, assert_close, request_counts
 
 pytestmark = pytest.mark.integration
 
@@ -255,6 +256,83 @@ def test_caller_that_dies_mid_request_leaks_nothing(ray_cluster, ray_tp1, tmp_pa
     assert request_counts(ray_tp1) == [0]
     assert ray.get(ray_tp1.vllm_entrypoint.merges[0].stats.remote())["groups"] == 0
     assert ray_tp1.vllm_entrypoint.collective_rpc("nnsight_ray_stash_size") == [0]
+
+
+def _placement_groups(name: str) -> list[str]:
+    return [pg["state"] for pg in ray.util.placement_group_table().values() if pg.get("name") == name]
+
+
+def _live_placement_groups(name: str) -> list[str]:
+    return [state for state in _placement_groups(name) if state != "REMOVED"]
+
+
+def _named_actors(prefix: str) -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+
+
+def test_a_killed_driver_leaves_no_actor_and_no_reservation(ray_cluster, model_dir, tmp_path):
+    """A driver (as a batch job's is) SIGKILLed with its engine up: its actors, ranks and
+    rank placement group all go with it."""
+    from nnsight_ray._internal.options import placement_group_name
+
+    name = "killed-driver"
+    script = tmp_path / "deploying_driver.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys, time, ray
+        ray.init(address=sys.argv[1], namespace="nnsight_ray")
+        from nnsight_ray import RayVLLM
+        model = RayVLLM(sys.argv[2], name=sys.argv[3], **json.loads(sys.argv[4]))
+        print("ready", flush=True)
+        time.sleep(600)
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    driver = subprocess.Popen([sys.executable, str(script), ray_cluster.address, model_dir, name,
+                               json.dumps(ENGINE_KWARGS)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in driver.stdout:  # vLLM logs to stdout too
+            if line.strip() == "ready":
+                break
+        assert driver.poll() is None, "the driver died before its engine was up"
+        assert _live_placement_groups(placement_group_name(name)) == ["CREATED"]
+        assert f"{name}.pp0.tp0" in _named_actors(f"{name}.")
+    finally:
+        driver.kill()
+        driver.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (_named_actors(f"{name}.") or _live_placement_groups(placement_group_name(name))):
+        time.sleep(1)
+    assert _named_actors(f"{name}.") == []
+    assert _live_placement_groups(placement_group_name(name)) == []
+
+
+def test_a_detached_reservation_stays_until_reclaimed_by_name(ray_cluster, tmp_path):
+    """A detached deployment's group outlives its driver (and is removed by name: shutdown, or
+    the next deployment of that name in deploy.launch)."""
+    from nnsight_ray._internal.options import placement_group_name, remove_named_placement_groups
+
+    name = "killed-driver-detached"
+    script = tmp_path / "reserving_driver.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time, ray
+        ray.init(address=sys.argv[1], namespace="nnsight_ray")
+        from nnsight_ray._internal.options import RankPlacement, reserve_placement_group
+        reserve_placement_group(RankPlacement(engine_name=sys.argv[2], device="cpu"),
+                                {"tensor_parallel_size": 2}, detached=True)
+        print("reserved", flush=True)
+        time.sleep(600)
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    driver = subprocess.Popen([sys.executable, str(script), ray_cluster.address, name],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert driver.stdout.readline().strip() == "reserved"
+    finally:
+        driver.kill()
+        driver.wait(timeout=30)
+    time.sleep(3)
+    assert _live_placement_groups(placement_group_name(name)) == ["CREATED"]
+    assert remove_named_placement_groups(placement_group_name(name)) == 1
+    assert _live_placement_groups(placement_group_name(name)) == []
 
 
 # -- async streaming (mode="async" is a client-side switch: same deployment) --
