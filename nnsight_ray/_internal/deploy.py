@@ -27,7 +27,7 @@ import ray
 from ..errors import EngineDeadError, RequestError
 from .engine import Report
 from .liveness import (ENGINE, MERGE, ActorRecord, ActorState, DeploymentRecords, as_dicts, dead_message,
-                       engine_dead, every, first_dead, rank_records, read_states)
+                       diagnose, engine_dead, every, rank_records, read_states)
 from .merge import MergeBook, trace_result
 from .options import NAMESPACE, RankPlacement, placement_group_name, remove_named_placement_groups, reserve_placement_group
 from .topology import RankId
@@ -280,18 +280,10 @@ class EngineActor:
         return False
 
     async def _diagnose(self) -> str | None:
-        """The death message if vLLM's engine-core process, a rank or a merge actor is gone, else None.
-
-        The first actor to die is blamed, unless vLLM's engine-core process
-        ended and that actor died because its owner (the core) did.
-        """
+        """The death message if vLLM's engine-core process, a rank or a merge actor is gone (``liveness.diagnose``)."""
         loop = asyncio.get_running_loop()
         states = await loop.run_in_executor(None, self._survey)
-        first = first_dead(states)
-        core_process = self._core_process()
-        if core_process is not None and (first is None or "owner" in first.cause.lower()):
-            return engine_dead(core_process)
-        return dead_message(states, await loop.run_in_executor(None, alive_nodes))
+        return diagnose(states, await loop.run_in_executor(None, alive_nodes), self._core_process())
 
     def _core_process(self) -> str | None:
         """``engine core process pid P exited with code C`` if vLLM's engine-core process has ended."""

@@ -149,6 +149,19 @@ def dead_message(states: list[ActorState], alive_nodes: set[str] | None = None) 
     return engine_dead(f"{describe(first)} died{cause}")
 
 
+def diagnose(states: list[ActorState], alive_nodes: set[str] | None, core_process: str | None) -> str | None:
+    """The deployment's death message, or None while everything lives.
+
+    ``core_process`` says how vLLM's engine-core process ended (None while it
+    runs). The first actor to die is blamed, unless the core process ended
+    and that actor died because its owner (the core, which creates the ranks) did.
+    """
+    first = first_dead(states)
+    if core_process is not None and (first is None or "owner" in first.cause.lower()):
+        return engine_dead(core_process)
+    return dead_message(states, alive_nodes)
+
+
 def engine_dead(what: str) -> str:
     """The one wording of a dead deployment: what died, and what to do."""
     return (f"the engine is dead: {what}. Every pending request on it failed; "

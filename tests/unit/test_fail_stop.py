@@ -356,3 +356,18 @@ def test_vllms_empty_generate_error_comes_back_with_its_cause():
     assert str(error) == "vLLM refused the request: TypeError: Prompt should be a string, list of tokens, or dictionary"
     plain = ValueError("has a message")
     assert refusal(plain) is plain
+
+
+def test_a_dead_engine_core_process_is_blamed_over_the_ranks_it_took_with_it():
+    rank = ActorRecord(liveness.RANK, "e.pp0.tp0", "a0", "n0", label="rank pp0.tp0")
+    owner_died = SimpleNamespace(actor_died_error_context=SimpleNamespace(
+        error_message="The actor is dead because its owner has died."))
+    states = [liveness.state_of(rank, {"State": "DEAD", "Address": {"NodeID": "n0"}, "EndTime": 9,
+                                       "DeathCause": owner_died})]
+    core = "vLLM's engine core process (pid 7) of engine actor e.engine exited with code -9"
+    assert liveness.diagnose(states, {"n0"}, core) == liveness.engine_dead(core)
+    # a rank killed on its own is blamed even if the core then exits
+    killed = [liveness.state_of(rank, {"State": "DEAD", "Address": {"NodeID": "n0"}, "EndTime": 9})]
+    assert "rank pp0.tp0 (actor e.pp0.tp0)" in liveness.diagnose(killed, {"n0"}, core)
+    assert liveness.diagnose([], set(), None) is None
+
