@@ -194,6 +194,8 @@ class NNsightDeployment:
         """Serve's probe: fail once the engine failed or died (Serve then replaces the replica)."""
         if self.state == "failed":
             raise RuntimeError(f"engine {self.engine_name} failed to start: {self.error}")
+        if self.state == "dead":  # every check from now on: Serve replaces a replica after several
+            raise RuntimeError(self.error)
         if self.state != "ready":
             return
         try:

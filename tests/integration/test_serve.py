@@ -307,3 +307,56 @@ def test_bad_requests_fail_alone_while_others_succeed(served, client, local_llam
     assert "exceeds the limit" in raw_generate(url, b"x" * (MAX_BODY + 1)).json()["detail"]
     assert_close(good(), want)
     assert set(engine_request_counts(APP)) == {0}
+
+
+# --------------------------------------------------------------------------- a replica whose engine dies (last)
+
+
+def test_a_killed_rank_fails_its_requests_and_serve_replaces_the_replica(served, client, local_llama):
+    """Under load, one replica's rank dies: its requests fail fast naming the rank, check_health fails,
+    Serve starts a new replica (a new engine), and requests succeed again on both.
+
+    Last in the module: it replaces one of the application's engines.
+    """
+    from nnsight_ray._internal.deploy import list_deployments
+
+    want = layer_and_logits(local_llama, "Hello world")[0]
+    before = set(registry_status(APP)["engines"])
+    victim = sorted(before)[0]
+    rank = f"{victim}.pp1.tp0"
+    stop = threading.Event()
+    errors: list[tuple[float, str]] = []
+    served_ok = []
+
+    def load():
+        while not stop.is_set():
+            try:
+                with client.trace("Hello world", temperature=0.0, max_tokens=40, ignore_eos=True, **on(served)):
+                    client.model.layers[2].output[0].save()
+                served_ok.append(time.monotonic())
+            except Exception as error:  # noqa: BLE001 - recorded and asserted
+                errors.append((time.monotonic(), str(error)))
+
+    with ThreadPoolExecutor(4) as pool:
+        loaders = [pool.submit(load) for _ in range(4)]
+        time.sleep(3.0)
+        killed_at = time.monotonic()
+        ray.kill(ray.get_actor(rank, namespace="nnsight_ray"))
+        time.sleep(8.0)
+        stop.set()
+        for loader in loaders:
+            loader.result(timeout=120)
+    assert errors, "no request was in flight on the killed engine"
+    for at, message in errors:
+        assert at - killed_at < 10 and rank in message and "the engine is dead" in message, message
+    # The failing health check makes Serve replace the replica, with an engine of a new name.
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        engines = set(registry_status(APP)["engines"])
+        if len(engines) == 2 and victim not in engines:
+            break
+        assert time.monotonic() < deadline, f"replica not replaced: {engines}"
+        time.sleep(2)
+    for _ in range(4):  # both replicas serve, values as the single-device engine's
+        assert_close(layer_and_logits(client, "Hello world", **on(served))[0], want)
+    assert victim not in list_deployments()

@@ -371,3 +371,19 @@ def test_a_dead_engine_core_process_is_blamed_over_the_ranks_it_took_with_it():
     assert "rank pp0.tp0 (actor e.pp0.tp0)" in liveness.diagnose(killed, {"n0"}, core)
     assert liveness.diagnose([], set(), None) is None
 
+
+def test_serve_check_health_keeps_failing_once_the_engine_is_dead():
+    """Serve replaces a replica only after several failed checks in a row: a dead engine fails each."""
+    from nnsight_ray.serve.deployment import NNsightDeployment
+
+    replica = object.__new__(NNsightDeployment.func_or_class)
+    replica.engine_name, replica.state, replica.error = "app-r1", "ready", None
+
+    async def health():
+        return {"alive": False, "error": "the engine is dead: rank pp1.tp0 (actor app-r1.pp1.tp0) died"}
+
+    replica.engine = SimpleNamespace(engine=SimpleNamespace(health=SimpleNamespace(remote=health)))
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match=r"rank pp1\.tp0"):
+            asyncio.run(replica.check_health())
+    assert replica.state == "dead"
