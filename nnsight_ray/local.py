@@ -114,6 +114,17 @@ class LocalVLLM(VLLM):
             release_placement_group(kwargs)
             raise
 
+    def topology(self) -> list[dict[str, Any]]:
+        """Each rank's pp rank, tp rank, pid, node id and actor name, in rank order (as ``RayVLLM.topology``).
+
+        On Ray ranks (``distributed_executor_backend="ray"``) node ids and actor
+        names are Ray's; under vLLM's own executors they are ``None``.
+        """
+        if getattr(self, "vllm_entrypoint", None) is None:
+            raise RequestError("this LocalVLLM has no engine (built without dispatch=True): no ranks to describe")
+        ranks = self.vllm_entrypoint.collective_rpc("nnsight_ray_describe")
+        return sorted(ranks, key=lambda rank: rank["rank"])
+
     def shutdown(self) -> None:
         """Stop the engine (its core process, any Ray rank actors) and free what it reserved.
 

@@ -37,10 +37,11 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from .pipeline import StageForwardMixin, StageRunnerMixin
 from .rank_worker import RankRPCMixin
+from .block_names import BlockNamesRunnerMixin
 from .snapshot import SnapshotRunnerMixin
 
 
-class NNsightCPUModelRunner(StageRunnerMixin, SnapshotRunnerMixin, NNsightGPUModelRunner, StageForwardMixin, CPUModelRunner):
+class NNsightCPUModelRunner(StageRunnerMixin, BlockNamesRunnerMixin, SnapshotRunnerMixin, NNsightGPUModelRunner, StageForwardMixin, CPUModelRunner):
     """nnsight's runner over vLLM's CPU runner, pipeline-stage aware.
 
     MRO: ``StageRunnerMixin`` wraps nnsight's ``load_model``,

@@ -367,6 +367,25 @@ def deploy(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
                                detached=detached, engine_actor_options=engine_actor_options), start_timeout_s)
 
 
+def eager_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``engine_kwargs`` without ``enforce_eager``, which every nnsight_ray engine sets itself.
+
+    As nnsight's ``VLLM`` does for an engine with no taps: every location must
+    be served, so the engine runs eagerly. ``enforce_eager=True`` is accepted
+    (it is what happens); ``False`` is refused with the reason, instead of
+    vLLM's "got multiple values for keyword argument 'enforce_eager'".
+    """
+    engine_kwargs = dict(engine_kwargs)
+    asked = engine_kwargs.pop("enforce_eager", None)
+    if asked is not None and not asked:
+        raise RequestError(
+            "enforce_eager=False: nnsight_ray engines run eagerly, as nnsight's VLLM does without taps, "
+            "so every module's hooks fire on every step (a replayed CUDA graph runs no Python). "
+            "Drop enforce_eager."
+        )
+    return engine_kwargs
+
+
 def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: RankPlacement,
            num_merge_actors: int = 1, detached: bool = False,
            engine_actor_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -382,6 +401,7 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
     CPU-only head node of a GPU cluster (docs/clusters.md).
     """
     placement = placement.model_copy(update={"engine_name": name})
+    engine_kwargs = eager_engine_kwargs(engine_kwargs)
     lifetime = "detached" if detached else None
     merge_names = [f"{name}.merge{i}" for i in range(num_merge_actors)]
     for actor_name in [f"{name}.engine", *merge_names]:

@@ -15,10 +15,11 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from .pipeline import StageForwardMixin, StageRunnerMixin
 from .rank_worker import RankRPCMixin
+from .block_names import BlockNamesRunnerMixin
 from .snapshot import SnapshotRunnerMixin
 
 
-class NNsightStageGPUModelRunner(StageRunnerMixin, SnapshotRunnerMixin, NNsightGPUModelRunner, StageForwardMixin, GPUModelRunner):
+class NNsightStageGPUModelRunner(StageRunnerMixin, BlockNamesRunnerMixin, SnapshotRunnerMixin, NNsightGPUModelRunner, StageForwardMixin, GPUModelRunner):
     """nnsight's GPU runner, pipeline-stage aware (MRO as in ``NNsightCPUModelRunner``)."""
 
 

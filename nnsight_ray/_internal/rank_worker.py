@@ -133,3 +133,10 @@ class RankRPCMixin:
 
     def nnsight_ray_stash_size(self) -> int:
         return stash_size()
+
+    def nnsight_ray_block_names(self) -> dict[str, int]:
+        """How many source-cache entries of received blocks this rank holds (a leak gauge; see ``block_names``)."""
+        from .block_names import held
+
+        return held(self.model_runner)
+

@@ -38,10 +38,9 @@ from typing import Any
 import torch
 from nnsight.util import apply
 
+from .classes import extend
+
 ENV = "NNSIGHT_RAY_SNAPSHOT_SAVES"
-
-_CLASSES: dict[type, type] = {}
-
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
@@ -66,13 +65,7 @@ class SnapshotInterleaver:
 
     @staticmethod
     def install(interleaver: Any) -> None:
-        base = type(interleaver)
-        if issubclass(base, SnapshotInterleaver):
-            return
-        cls = _CLASSES.get(base)
-        if cls is None:
-            cls = _CLASSES[base] = type(f"Snapshot{base.__name__}", (SnapshotInterleaver, base), {})
-        interleaver.__class__ = cls
+        extend(interleaver, SnapshotInterleaver)
 
 
 class SnapshotRunnerMixin:

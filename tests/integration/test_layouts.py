@@ -51,6 +51,8 @@ LAYOUTS = {
 }
 # The layouts each group of tests runs on (by value: pytest sets each engine up once).
 ray_layouts = pytest.mark.parametrize("engine", ["tp2", "pp2", "tp2pp2"], indirect=True, scope="module")
+# pp3 is LocalVLLM on Ray ranks: the same topology() as RayVLLM.
+topologies = pytest.mark.parametrize("engine", ["tp2", "pp2", "tp2pp2", "pp3"], indirect=True, scope="module")
 pipelines = pytest.mark.parametrize("engine", ["pp2", "tp2pp2", "pp3"], indirect=True, scope="module")
 
 
@@ -153,13 +155,15 @@ def test_single_rank_ray_engine_matches_local(ray_tp1, reference):
     check_against(reference, ray_tp1)
 
 
-@ray_layouts
+@topologies
 def test_topology_names_ranks_and_spreads_nodes(engine):
     name, model = engine
     tp, pp = LAYOUTS[name].get("tensor_parallel_size", 1), LAYOUTS[name].get("pipeline_parallel_size", 1)
     topology = model.topology()
     assert [(t["pp_rank"], t["tp_rank"]) for t in topology] == [(p, t) for p in range(pp) for t in range(tp)]
-    assert [t["actor_name"] for t in topology] == [f"{name}.pp{p}.tp{t}" for p in range(pp) for t in range(tp)]
+    # LocalVLLM's ranks are named after vLLM's engine instance, RayVLLM's after the deployment
+    prefix = name if name != "pp3" else topology[0]["actor_name"].rsplit(".pp", 1)[0]
+    assert [t["actor_name"] for t in topology] == [f"{prefix}.pp{p}.tp{t}" for p in range(pp) for t in range(tp)]
     nodes = [t["node_id"] for t in topology]
     if LAYOUTS[name]["placement_strategy"] == "STRICT_SPREAD":
         assert len(set(nodes)) == len(nodes), "STRICT_SPREAD put two ranks on one node"
@@ -630,19 +634,33 @@ def test_killed_rank_or_merge_fails_every_waiter_and_engine_rebuilds(engine, mod
 
 
 @pytest.mark.parametrize("engine", ["tp2pp2"], indirect=True, scope="module")
-def test_killed_engine_actor_fails_every_waiter(engine):
-    """The engine actor dies: the merge actor's watch fails every waiter, naming it; shutdown cleans up.
+def test_killed_tp_rank_then_engine_actor_fail_every_waiter(engine, model_dir):
+    """A tensor-parallel rank dies (the issue's TP=2 case), then, on the rebuilt deployment, the engine
+    actor: the merge actor's watch fails every waiter, naming it; shutdown cleans up both times.
 
     The last test on ``tp2pp2``; the module fixture's teardown then checks
-    that its placement group is gone.
+    that no placement group of ours is left.
     """
     from nnsight_ray import RayVLLM
 
     name, victim = engine
+    dead = victim.topology()[1]
+    assert (dead["pp_rank"], dead["tp_rank"]) == (0, 1)
     streamer = RayVLLM.connect(name, mode="async")
     waiters = start_waiters(victim, streamer)
-    ray.kill(ray.get_actor(f"{name}.engine", namespace="nnsight_ray"))
-    message = assert_every_waiter_fails(waiters, time.monotonic(), f"engine actor {name}.engine on node ")
-    assert_dead_everywhere(victim, message, f"{name}.engine")
+    ray.kill(ray.get_actor(dead["actor_name"], namespace="nnsight_ray"))
+    message = assert_every_waiter_fails(waiters, time.monotonic(), dead["actor_name"], dead["node_id"], "rank pp0.tp1")
+    assert_dead_everywhere(victim, message, dead["actor_name"])
     victim.shutdown()
+    nothing_left(name)
+
+    rebuilt = RayVLLM(model_dir, name=name, **LAYOUTS[name], **ENGINE_KWARGS)
+    try:
+        streamer = RayVLLM.connect(name, mode="async")
+        waiters = start_waiters(rebuilt, streamer)
+        ray.kill(ray.get_actor(f"{name}.engine", namespace="nnsight_ray"))
+        message = assert_every_waiter_fails(waiters, time.monotonic(), f"engine actor {name}.engine on node ")
+        assert_dead_everywhere(rebuilt, message, f"{name}.engine")
+    finally:
+        rebuilt.shutdown()
     nothing_left(name)

@@ -1,0 +1,133 @@
+"""Every block a rank receives gets a source name of its own.
+
+Problem (nnsight 0.8.1): a deserialized block is compiled under the name
+``<edit-{id(mediator)}>`` (``Mediator.__setstate__``), and nnsight memoizes a
+nested ``with`` (``tracer.all()``, ``tracer.iter[...]``, ``backward()``) by
+``(filename, line, ...)`` in ``nnsight.tracing.globals.BLOCKS`` and the source
+by filename in ``SOURCES``, forever. A long-lived rank reuses memory
+addresses, so a new block can get an old block's name, and its nested ``with``
+is then parsed from the *old* block's cached source: "nnsight found no ``with``
+statement at <edit-140451252211856>:124" (1 run in 3 of nnsight's
+``test_max_token_generation`` at TP=2), or worse, the old block's body.
+
+Fix, on the rank, right after nnsight deserialized a block (the runner's
+``_update_states`` for traces, ``nnsight_register`` for registered blocks):
+its code (and every code object nested in it) is re-targeted to
+``<nnsight-ray-block-<pid>-<n>>``, a name never used twice in the process, with
+its source registered in ``linecache`` under that name. When the request is
+collected (or the registration cleared), the entries this module made are
+removed again from ``linecache`` and from nnsight's two memo dicts, so a rank
+that serves millions of requests keeps none of them. Nothing of nnsight's is
+replaced: only entries under names this module created are added or removed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+import os
+from types import CodeType
+from typing import Any, Optional
+
+from .classes import extend
+
+_PREFIX = "<edit-"
+_counter = itertools.count()
+
+
+def _retarget(code: CodeType, filename: str) -> CodeType:
+    consts = tuple(_retarget(c, filename) if isinstance(c, CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def rename(mediator: Any) -> Optional[str]:
+    """Give a freshly deserialized block a unique source name; return it (None if it had none to replace)."""
+    code = getattr(mediator, "code", None)
+    if not isinstance(code, CodeType) or not code.co_filename.startswith(_PREFIX):
+        return None
+    old = code.co_filename
+    new = f"<nnsight-ray-block-{os.getpid()}-{next(_counter)}>"
+    entry = linecache.cache.pop(old, None)
+    if entry is not None:
+        linecache.cache[new] = (entry[0], None, entry[2], new)
+    mediator.code = _retarget(code, new)
+    return new
+
+
+def forget(filename: Optional[str]) -> None:
+    """Drop every cache entry kept under ``filename`` (one this module made)."""
+    if not filename:
+        return
+    from nnsight.tracing import globals as nnsight_globals
+
+    linecache.cache.pop(filename, None)
+    nnsight_globals.SOURCES.pop(filename, None)
+    blocks = nnsight_globals.BLOCKS
+    for key in [key for key in blocks if key[0] == filename]:
+        del blocks[key]
+
+
+def held(runner: Any) -> dict[str, int]:
+    """Entries under this module's names still in ``linecache`` and nnsight's memo dicts, and names tracked."""
+    from nnsight.tracing import globals as nnsight_globals
+
+    ours = "<nnsight-ray-block-"
+    return {
+        "linecache": sum(1 for k in linecache.cache if str(k).startswith(ours)),
+        "sources": sum(1 for k in nnsight_globals.SOURCES if str(k).startswith(ours)),
+        "blocks": sum(1 for k in nnsight_globals.BLOCKS if str(k[0]).startswith(ours)),
+        "tracked": len(getattr(getattr(runner, "nnsight_requests", None), "nr_names", {})),
+    }
+
+
+class NamedRequests:
+    """Behaviour added to nnsight's ``Requests`` (class swap): rename blocks as they are deserialized.
+
+    Renaming has to happen between deserialization (``add``, ``register``) and
+    the block's first run, which nnsight starts in ``scope`` within the same
+    ``_update_states``: so it is done here, not after ``_update_states``.
+    """
+
+    nr_names: dict
+
+    def add(self, new_requests: Any, persistent_objects: dict) -> None:
+        super().add(new_requests, persistent_objects)  # type: ignore[misc]
+        for data in new_requests:
+            request = self.requests.get(data.req_id)  # type: ignore[attr-defined]
+            if request is not None and request.mediator is not None and request.id not in self.nr_names:
+                self.nr_names[request.id] = rename(request.mediator)
+
+    def register(self, registration_id: str, *args: Any, **kwargs: Any) -> None:
+        super().register(registration_id, *args, **kwargs)  # type: ignore[misc]
+        template = self.templates.get(registration_id)  # type: ignore[attr-defined]
+        if template is not None:
+            forget(self.nr_names.pop(("registration", registration_id), None))
+            self.nr_names[("registration", registration_id)] = rename(template)
+
+    def unregister(self, registration_id: str) -> None:
+        super().unregister(registration_id)  # type: ignore[misc]
+        forget(self.nr_names.pop(("registration", registration_id), None))
+
+    def forget_retired(self) -> None:
+        """Drop the names of requests nnsight no longer tracks (collected or dropped)."""
+        for key in [k for k in self.nr_names if not isinstance(k, tuple) and k not in self.requests]:  # type: ignore[attr-defined]
+            forget(self.nr_names.pop(key))
+
+    @staticmethod
+    def install(requests: Any) -> None:
+        if extend(requests, NamedRequests):
+            requests.nr_names = {}
+
+
+class BlockNamesRunnerMixin:
+    """Runner mixin: installs `NamedRequests`; forgets a block's name once its request is collected."""
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        NamedRequests.install(self.nnsight_requests)  # type: ignore[attr-defined]
+
+    def collect_nnsight(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().collect_nnsight(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.nnsight_requests.forget_retired()  # type: ignore[attr-defined]
