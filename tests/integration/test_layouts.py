@@ -597,6 +597,17 @@ def nothing_left(name: str) -> None:
     assert not groups, groups
 
 
+def kill_and_check(model, name: str, actor_name: str, *expected: str) -> None:
+    """Kill one actor of deployment ``name`` with every kind of waiter in flight; all fail naming it, later calls too."""
+    from nnsight_ray import RayVLLM
+
+    streamer = RayVLLM.connect(name, mode="async")
+    waiters = start_waiters(model, streamer)
+    ray.kill(ray.get_actor(actor_name, namespace="nnsight_ray"))
+    message = assert_every_waiter_fails(waiters, time.monotonic(), *expected)
+    assert_dead_everywhere(model, message, actor_name)
+
+
 @pytest.mark.parametrize("engine", ["pp2"], indirect=True, scope="module")
 def test_killed_rank_or_merge_fails_every_waiter_and_engine_rebuilds(engine, model_dir, reference):
     """Stage 1's rank dies mid-generation: every waiter fails fast, naming it and its node; rebuilt, then
@@ -610,24 +621,15 @@ def test_killed_rank_or_merge_fails_every_waiter_and_engine_rebuilds(engine, mod
 
     name, victim = engine
     dead = victim.topology()[1]
-    streamer = RayVLLM.connect(name, mode="async")
-    waiters = start_waiters(victim, streamer)
-    ray.kill(ray.get_actor(dead["actor_name"], namespace="nnsight_ray"))
-    message = assert_every_waiter_fails(waiters, time.monotonic(), dead["actor_name"], dead["node_id"], "rank pp1.tp0")
-    assert_dead_everywhere(victim, message, dead["actor_name"])
+    kill_and_check(victim, name, dead["actor_name"], dead["actor_name"], dead["node_id"], "rank pp1.tp0")
     victim.shutdown()
     nothing_left(name)
 
     rebuilt = RayVLLM(model_dir, name=name, **LAYOUTS[name], **ENGINE_KWARGS)
     try:
         check_against(reference, rebuilt)
-        # now its merge actor
-        merge = f"{name}.merge0"
-        streamer = RayVLLM.connect(name, mode="async")
-        waiters = start_waiters(rebuilt, streamer)
-        ray.kill(ray.get_actor(merge, namespace="nnsight_ray"))
-        message = assert_every_waiter_fails(waiters, time.monotonic(), f"merge actor {merge} on node ")
-        assert_dead_everywhere(rebuilt, message, merge)
+        merge = f"{name}.merge0"  # now its merge actor
+        kill_and_check(rebuilt, name, merge, f"merge actor {merge} on node ")
     finally:
         rebuilt.shutdown()
     nothing_left(name)
@@ -646,21 +648,13 @@ def test_killed_tp_rank_then_engine_actor_fail_every_waiter(engine, model_dir):
     name, victim = engine
     dead = victim.topology()[1]
     assert (dead["pp_rank"], dead["tp_rank"]) == (0, 1)
-    streamer = RayVLLM.connect(name, mode="async")
-    waiters = start_waiters(victim, streamer)
-    ray.kill(ray.get_actor(dead["actor_name"], namespace="nnsight_ray"))
-    message = assert_every_waiter_fails(waiters, time.monotonic(), dead["actor_name"], dead["node_id"], "rank pp0.tp1")
-    assert_dead_everywhere(victim, message, dead["actor_name"])
+    kill_and_check(victim, name, dead["actor_name"], dead["actor_name"], dead["node_id"], "rank pp0.tp1")
     victim.shutdown()
     nothing_left(name)
 
     rebuilt = RayVLLM(model_dir, name=name, **LAYOUTS[name], **ENGINE_KWARGS)
     try:
-        streamer = RayVLLM.connect(name, mode="async")
-        waiters = start_waiters(rebuilt, streamer)
-        ray.kill(ray.get_actor(f"{name}.engine", namespace="nnsight_ray"))
-        message = assert_every_waiter_fails(waiters, time.monotonic(), f"engine actor {name}.engine on node ")
-        assert_dead_everywhere(rebuilt, message, f"{name}.engine")
+        kill_and_check(rebuilt, name, f"{name}.engine", f"engine actor {name}.engine on node ")
     finally:
         rebuilt.shutdown()
     nothing_left(name)
