@@ -50,23 +50,42 @@ def intervention_error(deferred: dict, message: str) -> RequestError:
     nnsight's contract, with the same message) and that builtin type, so
     ``except ValueError`` at the caller works as it would on a local model.
     Other types (nnsight's own, user-defined) come back as ``RequestError``.
+
+    The error keeps nnsight's wire form as ``.deferred`` (type name, message,
+    intervention traceback) and pickles, so it can be raised in one process
+    (a merge actor) and caught, typed, in another (``ray.get`` of its ref).
     """
-    name = deferred.get("type_name") or "Exception"
+    error = _typed_class(deferred.get("type_name") or "Exception")(message)
+    error.deferred = dict(deferred)
+    return error
+
+
+def _typed_class(name: str) -> type[RequestError]:
     original = getattr(builtins, name, None)
     if (
         not (isinstance(original, type) and issubclass(original, Exception))
         or issubclass(RequestError, original)  # RuntimeError, Exception: already one
         or issubclass(original, (StopIteration, StopAsyncIteration))  # iteration protocol, not errors
     ):
-        return RequestError(message)
+        return RequestError
     cls = _TYPED_ERRORS.get(name)
     if cls is None:
         try:
-            cls = type(name, (RequestError, original), {"__str__": _str, "__module__": __name__})
+            cls = type(name, (RequestError, original), {"__str__": _str, "__reduce__": _reduce_typed,
+                                                        "__module__": __name__})
         except TypeError:  # instance layout conflict with RuntimeError
             cls = RequestError
         _TYPED_ERRORS[name] = cls
-    return cls(message)
+    return cls
+
+
+def _reduce_typed(self: RequestError) -> Any:
+    # The class is made at run time (no importable name): rebuild it by its type name.
+    return _rebuild_typed, (type(self).__name__, self.args), dict(self.__dict__)
+
+
+def _rebuild_typed(name: str, args: tuple) -> RequestError:
+    return _typed_class(name)(*args)
 
 
 def raise_intervention(deferred: dict | None) -> None:

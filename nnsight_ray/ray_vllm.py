@@ -208,7 +208,7 @@ class RemoteEngine:
         return self.wait(self.generate_async(prompts, sampling_params, lora_request, **kwargs))
 
     def trace_ref(self, prompts: list, params: list, loras: list | None, presaved: set[str]) -> Any:
-        """Submit a trace's requests; an ``ObjectRef`` to ``{"saves", "error"}``."""
+        """Submit a trace's requests; an ``ObjectRef`` to ``{name: value}`` (raising the trace's error)."""
         group, size = self.submit(prompts, params, loras)
         return self._merge(group).trace.remote(group, size, set(presaved))
 
@@ -454,11 +454,7 @@ class RayVLLM(LocalVLLM):
 
 
 def _collect_ref(engine: RemoteEngine, ref: Any, timeout: float | None = None) -> dict[str, Any]:
-    """Block for a non-blocking trace's ``{name: value}``, re-raising its error."""
-    from .local import raise_intervention
-
+    """Block for a non-blocking trace's ``{name: value}``; raises its error as a blocking trace does."""
     if ref is None:
         raise RequestError("this trace has no result reference: it was blocking, or has not exited yet")
-    result = engine.wait(ref, timeout)
-    raise_intervention(result["error"])
-    return result["saves"]
+    return engine.wait(ref, timeout)

@@ -25,10 +25,11 @@ from typing import Any
 import ray
 
 from ..errors import EngineDeadError, RequestError
+from . import metrics
 from .engine import Report
 from .liveness import (ENGINE, MERGE, ActorRecord, ActorState, DeploymentRecords, as_dicts, dead_message,
                        diagnose, engine_dead, every, rank_records, read_states)
-from .merge import MergeBook, trace_result
+from .merge import MergeBook, trace_saves
 from .options import NAMESPACE, RankPlacement, placement_group_name, remove_named_placement_groups, reserve_placement_group
 from .topology import RankId
 
@@ -146,6 +147,7 @@ class MergeActor:
     async def finish(self, reports: list[Report]) -> None:
         """Merge a batch of finished requests: one ``take_payloads`` per rank for all of them."""
         self._ensure_sweeper()
+        began = time.perf_counter()
         request_ids = [r.request_id for r in reports]
         per_rank: list[list[bytes | None]] = [[None] * len(reports) for _ in self.ranks]
         failure = None
@@ -157,6 +159,7 @@ class MergeActor:
         if failure is None:
             per_rank = list(taken)
         self.book.arrive(reports, per_rank, failure)
+        metrics.observe("nnsight_collect_seconds", time.perf_counter() - began, stage="merge")
 
     async def outputs(self, group: str, size: int) -> list[Any]:
         """The group's ``RequestOutput``s, saves attached (raises the group's error)."""
@@ -169,14 +172,19 @@ class MergeActor:
         return Packed(state.ordered())
 
     async def trace(self, group: str, size: int, presaved: set[str]) -> dict[str, Any]:
-        """``{"saves": {name: value}, "error": deferred}`` for a non-blocking trace."""
+        """A non-blocking trace's ``{name: value}``; raises its intervention's error, typed.
+
+        Raised here, the error reaches whoever ``ray.get``s the ref (the caller,
+        or any task it was passed to) as Ray's task error, which is an instance
+        of the intervention's exception type (``except ValueError`` works).
+        """
         self._ensure_sweeper()
         state = await self.book.wait(group, size)
         if state.error is not None:
             raise state.error
         from .payload import Packed
 
-        return Packed(trace_result(state.ordered(), presaved))
+        return Packed(trace_saves(state.ordered(), presaved))
 
     async def ping(self) -> bool:
         return True
@@ -247,6 +255,7 @@ class EngineActor:
 
     def _tell_merges(self, error: EngineDeadError) -> None:
         """Every merge actor fails its waiters (and later waits) with the engine's death message."""
+        metrics.inc("nnsight_engine_deaths", deployment=self.spec["name"])
         for merge in self.merges:
             merge.fail.remote(str(error))
 

@@ -10,7 +10,8 @@ per-sequence values for ``n > 1``, the first error) and ``attach`` (``saves``,
 ``nnsight_saves``, ``nnsight_error``, ``outputs[i].saves``,
 ``nnsight_sequences``). A trace's ``{name: value}`` result is assembled by
 nnsight's own ``VLLM._collect`` run over stand-in mediators, so a non-blocking
-ref resolves to exactly what a blocking trace pushes into the caller's frame.
+ref resolves to exactly what a blocking trace pushes into the caller's frame,
+and raises what a blocking trace raises.
 """
 
 from __future__ import annotations
@@ -160,30 +161,34 @@ def merge_request(output: Any, request_id: str, payloads: list[bytes | None]) ->
     return output
 
 
-def trace_result(outputs: list[Any], presaved: set[str]) -> dict[str, Any]:
-    """``{"saves": {name: value}, "error": deferred-or-None}`` for one trace.
+def trace_saves(outputs: list[Any], presaved: set[str]) -> dict[str, Any]:
+    """One trace's ``{name: value}``, as a blocking trace pushes it into the caller's frame.
 
     Runs nnsight's ``VLLM._collect`` (shared-save merging, one value vs a list
     per name, first real error) over stand-in mediators that carry only what it
-    reads: ``presaved`` and a scope to write into.
+    reads: ``presaved`` and a scope to write into. When an intervention raised,
+    raises it: the request's own deferred error, typed as a blocking trace
+    raises it (``local.intervention_error``), not the RuntimeError ``_collect``
+    wrapped it in.
     """
-    from nnsight.intervention.errors import capture_exception
     from nnsight.modeling.vllm.vllm import VLLM
 
     from nnsight.tracing.tracer import _saves
 
+    from ..local import raise_intervention
+
     stand_in = SimpleNamespace(presaved=set(presaved), lcls={})
-    error = None
     try:
         VLLM._collect([stand_in], outputs)
     except BaseException as exception:  # a deferred intervention error, re-raised by _collect
-        # The request's own deferred error (its type and message, as a blocking
-        # trace re-raises it), not the RuntimeError _collect wrapped it in.
         deferred = [e for e in (getattr(o, "nnsight_error", None) for o in outputs)
                     if e and not e.get("is_control_flow")]
-        error = deferred[0] if deferred else capture_exception(exception)
+        if not deferred:
+            raise
+        raise_intervention(deferred[0])
+        raise exception  # raise_intervention returned: the deferred error was a stop
     finally:
         # `_collect` marks values in this thread's saved-id set, the gate a
         # trace's push consults; nothing traces here, so keep it from growing.
         _saves().clear()
-    return {"saves": dict(stand_in.lcls), "error": error}
+    return dict(stand_in.lcls)

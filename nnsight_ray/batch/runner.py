@@ -183,7 +183,7 @@ def _meta_module(model_path: str, engine_kwargs: dict[str, Any]) -> Any:
 
 
 def submit_trace(model: Any, texts: list[str], fn: Callable, sampling: dict[str, Any]) -> Any:
-    """One non-blocking trace, one invoke per prompt; its ref resolves to ``{"rows": [...]}``.
+    """One non-blocking trace, one invoke per prompt; its ref resolves to ``{"rows": [...]}`` (or raises).
 
     ``rows`` is bound and saved above the invokes, so each request's copy
     carries its own slot and nnsight merges them slot-wise.
@@ -512,15 +512,13 @@ class BatchRunner:
             if _classify(outcome) == "lost":
                 self._replica_failed(entry.replica, f"{type(outcome).__name__}: {outcome}", scheduler, [chunk])
                 return
-            self._request_failed(chunk, _error_info(type(outcome).__name__, str(outcome)), scheduler, progress)
-            return
-        deferred = outcome.get("error")
-        if deferred and not deferred.get("is_control_flow"):
-            info = _error_info(deferred.get("type_name", "Exception"), deferred.get("message", ""),
-                               deferred.get("traceback"))
+            deferred = getattr(outcome, "deferred", None)  # an intervention's error: nnsight's wire form
+            info = (_error_info(deferred.get("type_name", "Exception"), deferred.get("message", ""),
+                                deferred.get("traceback")) if deferred
+                    else _error_info(type(outcome).__name__, str(outcome)))
             self._request_failed(chunk, info, scheduler, progress)
             return
-        rows = outcome["saves"].get("rows")
+        rows = outcome.get("rows")
         if not isinstance(rows, list) or len(rows) != len(chunk):
             rows = [None] * len(chunk)
         entry.replica.served += len(chunk)

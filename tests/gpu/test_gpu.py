@@ -151,8 +151,7 @@ def test_non_blocking_ref_resolves_here_and_in_a_task(rayvllm, hf):
     assert isinstance(tracer.ref, ray.ObjectRef)
 
     @ray.remote(num_cpus=0)
-    def stream_norm(result):
-        saves = result.get("saves", result)
+    def stream_norm(saves):
         hidden, residual = saves["out"]
         return float((hidden + residual).norm()), str(hidden.device)
 

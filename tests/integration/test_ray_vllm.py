@@ -68,12 +68,37 @@ def test_non_blocking_ref_resolves_in_another_task(ray_tp1, local_llama):
     assert isinstance(tracer.ref, ray.ObjectRef)
 
     @ray.remote(num_cpus=0)
-    def norm_of(result):
-        return float(result["saves"]["hidden"].norm())
+    def norm_of(saves):
+        return float(saves["hidden"].norm())
 
     want, _ = layer_and_logits(local_llama, "Hello world")
     assert abs(ray.get(norm_of.remote(tracer.ref)) - float(want.norm())) < 1e-3 * float(want.norm())
+    assert set(ray.get(tracer.ref)) == {"hidden"}  # {name: value}, as README says
+    assert_close(ray.get(tracer.ref)["hidden"], want)
     assert_close(tracer.collect()["hidden"], want)
+
+
+def test_a_raising_non_blocking_trace_raises_its_type_here_and_in_a_task(ray_tp1, local_llama):
+    """``ray.get(tracer.ref)`` raises the intervention's error, typed, as a Ray task error does."""
+    with ray_tp1.trace("Hello world", temperature=0.0, max_tokens=1, blocking=False) as tracer:
+        ray_tp1.model.layers[2].output[0][10_000].save()
+    with pytest.raises(IndexError) as here:
+        ray.get(tracer.ref, timeout=60)
+    assert isinstance(here.value, ray.exceptions.RayTaskError)  # Ray's error, an IndexError too
+
+    @ray.remote(num_cpus=0)
+    def consume(saves):
+        return "ran"
+
+    with pytest.raises(IndexError):  # a task given the ref fails the same way, before it runs
+        ray.get(consume.remote(tracer.ref), timeout=60)
+    with pytest.raises(IndexError) as collected:  # collect(): the intervention's own error, as blocking
+        tracer.collect(timeout=60)
+    with pytest.raises(IndexError) as blocking:
+        with local_llama.trace("Hello world", temperature=0.0, max_tokens=1):
+            local_llama.model.layers[2].output[0][10_000].save()
+    assert str(collected.value).splitlines()[0] == str(blocking.value).splitlines()[0]
+    assert not isinstance(collected.value, ray.exceptions.RayTaskError)
 
 
 def test_32_concurrent_traces_from_ray_tasks_get_their_own_values(ray_tp1, local_llama):
@@ -209,10 +234,9 @@ def test_an_unpicklable_save_fails_alone_beside_a_good_trace_in_the_same_step(ra
             engine.trace_ref = submit
         before = ray_tp1.health()["collect"]
         good, bad = [submit(*request) for request in built]
-        assert_close(engine.wait(good, timeout=60)["saves"]["hidden"], want)
-        result = engine.wait(bad, timeout=60)
-        assert result["error"]["type_name"] == "TypeError", result["error"]
-        assert "could not serialize the saved value saves['gen'] (generator)" in result["error"]["message"]
+        assert_close(engine.wait(good, timeout=60)["hidden"], want)
+        with pytest.raises(TypeError, match=r"could not serialize the saved value saves\['gen'\] \(generator\)"):
+            engine.wait(bad, timeout=60)
         after = ray_tp1.health()["collect"]
         shared.append((after["calls"] - before["calls"], after["requests"] - before["requests"]))
         if shared[-1] == (1, 2):  # one collection carried both

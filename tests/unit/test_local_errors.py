@@ -72,3 +72,18 @@ def test_other_types_become_request_errors(intervention_error, name):
 
 def test_missing_type_name(intervention_error):
     assert type(intervention_error({}, "?")) is RequestError
+
+
+@pytest.mark.parametrize("name", ["ValueError", "KeyError", "MyCustomError"])
+def test_errors_keep_their_deferred_form_and_cross_processes(intervention_error, name):
+    """Raised in a merge actor, caught in the caller: pickle (and Ray's cloudpickle) keep type, text, deferred."""
+    import pickle
+
+    import cloudpickle
+
+    error, message = deferred(name)
+    exc = intervention_error(error, message)
+    assert exc.deferred == error
+    for codec in (pickle, cloudpickle):
+        back = codec.loads(codec.dumps(exc))
+        assert type(back) is type(exc) and str(back) == str(exc) and back.deferred == error
