@@ -266,12 +266,13 @@ class NNsightDeployment:
         built_at = time.perf_counter()
         ref = self.engine.trace_ref(built.prompts, built.params, built.loras, built.presaved)
         try:
-            result = await ref
-        except Exception as error:
-            cause = _cause(error)
+            saves, error = await ref, None
+        except Exception as failure:
+            cause = _cause(failure)
             logger.warning("replica %s: trace failed: %s", self.engine_name, cause)
-            result = {"saves": {}, "error": capture_exception(cause)}
-        return self._trace_reply(result["saves"], result["error"], started, built_at)
+            # An intervention's error keeps nnsight's wire form (its traceback points at the user's line).
+            saves, error = {}, getattr(cause, "deferred", None) or capture_exception(cause)
+        return self._trace_reply(saves, error, started, built_at)
 
     def _trace_reply(self, saves: dict, error: Any, started: float, built_at: float) -> Response:
         body = trace_payload(saves, error)
