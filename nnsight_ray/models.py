@@ -25,11 +25,18 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ARCHITECTURES", "ModelSpec", "build_model", "ensure_model"]
+__all__ = ["ARCHITECTURES", "CHAT_TEMPLATE", "ModelSpec", "build_model", "ensure_model"]
 
 # Characters the tokenizer knows; everything else maps to <unk>.
 _CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
 _SPECIALS = ["<unk>", "<s>", "</s>"]
+#: The chat template of every tiny checkpoint (``/v1/chat/completions``, ``tokenizer.apply_chat_template``):
+#: each message as ``<|role|>``, newline, content, newline; then ``<|assistant|>`` and a newline to answer.
+#: Every character is in the tokenizer's vocabulary.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,7 @@ def _build_tokenizer():
     # One token per character, spaces included.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
         bos_token="<s>",
@@ -84,6 +91,8 @@ def _build_tokenizer():
         pad_token="</s>",
         clean_up_tokenization_spaces=False,
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def _config(spec: ModelSpec, vocab_size: int, tokenizer):
@@ -151,12 +160,22 @@ def build_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0) -> 
 
 
 def ensure_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0) -> Path:
-    """Build the checkpoint unless ``path`` already holds the same one."""
+    """Build the checkpoint unless ``path`` already holds the same one (with today's chat template)."""
     path = Path(path)
     marker = path / "nnsight_ray_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == {"arch": arch, "seed": seed}:
+    if marker.exists() and json.loads(marker.read_text()) == {"arch": arch, "seed": seed} and _has_chat_template(path):
         return path
     return build_model(path, arch=arch, seed=seed)
+
+
+def _has_chat_template(path: Path) -> bool:
+    """Whether the checkpoint's tokenizer carries :data:`CHAT_TEMPLATE` (older builds had none)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path).chat_template == CHAT_TEMPLATE
+    except Exception:
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from ..errors import EngineDeadError, RequestError
+from . import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,7 @@ class EngineCore:
         stats["requests"] += len(ids)
         stats["seconds"] += spent
         stats["max_s"] = max(stats["max_s"], spent)
+        metrics.observe("nnsight_collect_seconds", spent, stage="stash")
 
     def _hand_over(self, batch: list[Report]) -> None:
         """``notify`` the reports not handed over yet (each request exactly once)."""

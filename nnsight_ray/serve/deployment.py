@@ -31,11 +31,16 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from .._internal import metrics
 from .config import ServeArgs
-from .protocol import RETURN_SAVES_HEADER, CompletionRequest, build_trace, completion_response, trace_payload
+from .metering import MetricsMiddleware
+from .openai_api import (SSE_DONE, ChatRequest, StreamChunks, chat_prompt, chat_response, error_body, models_list,
+                         sse, validation_message)
+from .protocol import (RETURN_SAVES_HEADER, CompletionRequest, build_trace, completion_response, error_of,
+                       trace_payload)
 from .registry import RegistrationError, Registry
 from .security import GuardMiddleware
 
@@ -117,8 +122,9 @@ def _http_error(status: int, detail: str) -> HTTPException:
     return HTTPException(status_code=status, detail=detail)
 
 
-def _openai_error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
+def _openai_error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                  **headers: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(status, message, kind, param), headers=headers)
 
 
 @serve.deployment(name="NNsightDeployment", max_ongoing_requests=256, graceful_shutdown_timeout_s=90,
@@ -202,6 +208,8 @@ class NNsightDeployment:
             health = await asyncio.wait_for(self.engine.engine.health.remote(), HEALTH_TIMEOUT_S)
         except Exception as error:
             self.state, self.error = "dead", f"engine unreachable: {_cause(error)}"
+            # Its engine actor is gone, so the engine could not count its own death.
+            metrics.inc("nnsight_engine_deaths", deployment=self.engine_name)
             raise RuntimeError(self.error) from None
         if not health.get("alive", False):
             self.state, self.error = "dead", health.get("error") or "engine dead"
@@ -233,12 +241,16 @@ class NNsightDeployment:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="nnsight_ray serve", docs_url=None, redoc_url=None, openapi_url=None)
+        # Added last, so outermost: a refused request never reaches the metrics.
+        app.add_middleware(MetricsMiddleware, replica=self.engine_name)
         app.add_middleware(GuardMiddleware, api_key=self.api_key, max_body_bytes=self.args.max_body_bytes)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/nnsight/generate", self.generate, methods=["POST"])
         app.add_api_route("/v1/nnsight/register/{registration_id}", self.register, methods=["POST"])
         app.add_api_route("/v1/nnsight/register/{registration_id}/clear", self.clear, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
         return app
 
     async def health(self) -> dict[str, Any]:
@@ -276,6 +288,9 @@ class NNsightDeployment:
 
     def _trace_reply(self, saves: dict, error: Any, started: float, built_at: float) -> Response:
         body = trace_payload(saves, error)
+        metrics.inc("nnsight_saved_bytes", len(body), route="generate")
+        if error is not None and not error.get("is_control_flow"):
+            metrics.inc("nnsight_intervention_errors", route="generate", type=error.get("type_name"))
         now = time.perf_counter()
         timing = f"build;dur={(built_at - started) * 1e3:.1f}, engine;dur={(now - built_at) * 1e3:.1f}"
         return Response(body, media_type=OCTET, headers={ENGINE_HEADER: self.engine_name, "server-timing": timing})
@@ -304,28 +319,233 @@ class NNsightDeployment:
             raise _http_error(500, str(_cause(error))) from None
         return {"status": "ok", "id": registration_id}
 
-    async def completions(self, request: Request) -> Response:
-        """OpenAI-style completions through the same engine; registered blocks run on them."""
+    # -- OpenAI routes ----------------------------------------------------------
+
+    def _openai_not_ready(self) -> JSONResponse | None:
+        try:
+            self._ready()
+        except HTTPException as error:
+            return _openai_error(error.status_code, error.detail, "service_unavailable")
+        return None
+
+    async def _parse(self, request: Request, model: type) -> Any:
+        """The body as ``model``, or the 400 saying what is wrong with it."""
         from pydantic import ValidationError
 
+        try:
+            return model.model_validate_json(await request.body())
+        except (ValidationError, ValueError) as error:
+            return _openai_error(400, validation_message(error))
+
+    async def _unknown_edits(self, edits: list[str] | None) -> JSONResponse | None:
+        """400 if the request names an edit no registration carries (names are registry-wide)."""
+        if edits is None:
+            return None
+        status = await self.registry.status.remote()
+        names = sorted({r["name"] for r in status["registrations"] if r["name"] is not None})
+        unknown = [name for name in edits if name not in names]
+        if not unknown:
+            return None
+        return _openai_error(
+            400, f"nnsight.edits names {unknown}, but no edit is registered under "
+            f"{'that name' if len(unknown) == 1 else 'those names'} (registered: {names}); register it with "
+            "model.edit(name=..., serve=url), or drop it from the list", param="nnsight.edits")
+
+    def _return_saves(self, options: Any, request: Request) -> bool:
+        return options.wants_saves or request.headers.get(RETURN_SAVES_HEADER, "").lower() in ("1", "true", "yes")
+
+    def _engine_failure(self, error: BaseException, route: str) -> JSONResponse:
         from ..errors import RequestError
 
-        self._ready()
-        body = await request.body()
-        try:
-            completion = CompletionRequest.model_validate_json(body)
-            prompts, params = completion.prompts(), completion.sampling_params()
-        except (ValidationError, ValueError) as error:
-            return _openai_error(400, str(error))
-        return_saves = completion.nnsight.return_saves or (
-            request.headers.get(RETURN_SAVES_HEADER, "").lower() in ("1", "true", "yes"))
+        cause = _cause(error)
+        if isinstance(cause, (RequestError, ValueError, TypeError)):
+            return _openai_error(400, str(cause), **{ENGINE_HEADER: self.engine_name})
+        logger.exception("replica %s: %s failed", self.engine_name, route, exc_info=cause)
+        return _openai_error(500, f"{type(cause).__name__}: {cause}", "server_error", **{ENGINE_HEADER: self.engine_name})
+
+    def _count_outputs(self, outputs: list[Any], route: str, reply: dict[str, Any]) -> None:
+        for output in outputs:
+            _, kind = error_of(output)
+            if kind is not None:
+                metrics.inc("nnsight_intervention_errors", route=route, type=kind)
+        if "nnsight_saves" in reply:
+            metrics.inc("nnsight_saved_bytes", len(reply["nnsight_saves"]), route=route)
+
+    async def _generate(self, prompts: list, params: Any, route: str, respond: Any) -> Response:
         try:
             outputs = await self.engine.generate_async(prompts, params)
         except Exception as error:
-            cause = _cause(error)
-            if isinstance(cause, (RequestError, ValueError, TypeError)):
-                return _openai_error(400, str(cause))
-            logger.exception("replica %s: completion failed", self.engine_name)
-            return _openai_error(500, f"{type(cause).__name__}: {cause}", "server_error")
-        return JSONResponse(completion_response(outputs, completion.model or self.args.model, return_saves),
-                            headers={ENGINE_HEADER: self.engine_name})
+            return self._engine_failure(error, route)
+        reply = respond(outputs)
+        self._count_outputs(outputs, route, reply)
+        return JSONResponse(reply, headers={ENGINE_HEADER: self.engine_name})
+
+    async def completions(self, request: Request) -> Response:
+        """OpenAI completions (``stream`` too) through the same engine; registered blocks run on them."""
+        return await self._openai(request, CompletionRequest, "completion", self._completion_inputs)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """OpenAI chat completions (``stream`` too): the checkpoint's chat template, then the same engine."""
+        return await self._openai(request, ChatRequest, "chat", self._chat_inputs)
+
+    async def _completion_inputs(self, completion: CompletionRequest) -> tuple[list, Any]:
+        return completion.prompts(), completion.sampling_params()
+
+    async def _chat_inputs(self, chat: ChatRequest) -> tuple[list, Any]:
+        prompt, params = chat_prompt(chat, await self._model_config(), self.model.tokenizer)
+        return [prompt], params
+
+    async def _openai(self, request: Request, model: type, kind: str, inputs: Any) -> Response:
+        """One OpenAI request: parse, build the engine requests, check the edit names, then answer or stream.
+
+        Every refusal is a 400 in OpenAI's error shape, before the engine sees anything.
+        """
+        from vllm.exceptions import VLLMClientError
+
+        refusal = self._openai_not_ready()
+        if refusal is not None:
+            return refusal
+        body = await self._parse(request, model)
+        if isinstance(body, Response):
+            return body
+        try:
+            prompts, params = await inputs(body)
+        except (ValueError, TypeError, VLLMClientError) as error:
+            return _openai_error(400, str(error))
+        except Exception as error:
+            logger.exception("replica %s: could not prepare a %s request", self.engine_name, kind)
+            return _openai_error(500, f"{type(error).__name__}: {error}", "server_error")
+        refusal = await self._unknown_edits(body.nnsight.edits)
+        if refusal is not None:
+            return refusal
+        return_saves = self._return_saves(body.nnsight, request)
+        name = body.model or self.args.model
+        route = "chat" if kind == "chat" else "completions"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await self._stream(StreamChunks(kind, name, len(prompts)), route, prompts,
+                                      [params] * len(prompts), include_usage, return_saves)
+        respond = chat_response if kind == "chat" else completion_response
+        return await self._generate(prompts, params, route, lambda outputs: respond(outputs, name, return_saves))
+
+    async def models(self) -> dict[str, Any]:
+        """``/v1/models``: the checkpoint this application serves (any ``model`` name is accepted)."""
+        return models_list(self.args.model, self.args.engine_kwargs.get("max_model_len"))
+
+    async def _model_config(self) -> Any:
+        """vLLM's ``ModelConfig`` of the checkpoint (chat templates need it), built once, off the event loop."""
+        if getattr(self, "_chat_model_config", None) is None:
+            self._chat_model_config = await asyncio.get_running_loop().run_in_executor(None, self._build_model_config)
+        return self._chat_model_config
+
+    def _build_model_config(self) -> Any:
+        import dataclasses
+
+        from vllm.engine.arg_utils import EngineArgs
+
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        kwargs = {k: v for k, v in self.args.engine_kwargs.items() if k in known}
+        return EngineArgs(model=self.args.model, **kwargs).create_model_config()
+
+    # -- streams ----------------------------------------------------------------
+
+    async def _stream(self, chunks: StreamChunks, route: str, prompts: list, params: list, include_usage: bool,
+                      return_saves: bool) -> Response:
+        """Start one engine stream per prompt; answer with their server-sent events.
+
+        The first event is awaited before the reply starts, so a request the
+        engine refuses at once (a prompt longer than the context) gets a plain
+        400 rather than a stream that says so.
+        """
+        began = time.perf_counter()
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.ensure_future(self._pump(i, prompt, param, queue))
+                 for i, (prompt, param) in enumerate(zip(prompts, params))]
+        first = await queue.get()
+        if first[0] == "error":
+            for pump in pumps:
+                pump.cancel()
+            return self._engine_failure(first[2], route)
+        events = self._events(chunks, route, pumps, queue, first, began, include_usage, return_saves)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={ENGINE_HEADER: self.engine_name, "cache-control": "no-cache"})
+
+    async def _pump(self, index: int, prompt: Any, param: Any, queue: asyncio.Queue) -> None:
+        """One prompt's engine stream into ``queue``: ``("output", index, (output, finished or None))`` per step,
+        ``("error", index, error)`` if it fails, then ``("end", index, None)``."""
+        group, generator = self.engine.stream(prompt, param)
+        finished = False
+        try:
+            async for ref in generator:
+                output = await ref
+                final = None
+                if output.finished:
+                    finished = True
+                    final = await self.engine.finished_output(group)  # saves attached, from the merge actor
+                queue.put_nowait(("output", index, (output, final)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            # What died, named as every caller of the deployment hears it (a GCS read: off the loop).
+            cause = await asyncio.get_running_loop().run_in_executor(None, self.engine.unwrap, error)
+            queue.put_nowait(("error", index, cause))
+        finally:
+            if not finished:
+                _cancel_stream(generator)  # the engine aborts the request and frees its workers
+            queue.put_nowait(("end", index, None))
+
+    async def _events(self, chunks: StreamChunks, route: str, pumps: list, queue: asyncio.Queue, first: tuple,
+                      began: float, include_usage: bool, return_saves: bool):
+        finished: list[Any] = [None] * len(pumps)
+        ended = 0
+        timed = False
+        item = first
+        try:
+            for index in range(len(pumps)):
+                start = chunks.start(index)
+                if start is not None:
+                    yield sse(start)
+            while True:
+                kind, index, value = item
+                if kind == "error":
+                    cause = _cause(value)
+                    status = 400 if isinstance(cause, (ValueError, TypeError)) else 500
+                    logger.warning("replica %s: stream failed: %s", self.engine_name, cause)
+                    yield sse(error_body(status, f"{type(cause).__name__}: {cause}",
+                                         "invalid_request_error" if status == 400 else "server_error"))
+                    yield SSE_DONE
+                    return
+                if kind == "end":
+                    ended += 1
+                    if ended == len(pumps):
+                        break
+                else:
+                    output, final = value
+                    if not timed:
+                        metrics.observe("nnsight_time_to_first_token_seconds", time.perf_counter() - began,
+                                        route=route)
+                        timed = True
+                    chunk = chunks.step(index, output)
+                    if chunk is not None:
+                        yield sse(chunk)
+                    if final is not None:
+                        finished[index] = final
+                item = await queue.get()
+            closing = chunks.final(include_usage, finished if return_saves else None)
+            self._count_outputs(finished, route, closing or {})
+            if closing is not None:
+                yield sse(closing)
+            yield SSE_DONE
+        finally:
+            for pump in pumps:
+                if not pump.done():
+                    pump.cancel()
+
+
+def _cancel_stream(generator: Any) -> None:
+    import ray
+
+    try:
+        ray.cancel(generator)
+    except Exception:  # already finished, or not a Ray generator
+        logger.debug("could not cancel a stream", exc_info=True)

@@ -245,8 +245,8 @@ def test_completions_match_local_generate_and_speak_openai(served, local_llama):
                                    extra_body={"nnsight": {"return_saves": True}})
     assert decode_saves(asked.model_extra["nnsight_saves"]) == [{}]  # no block registered now
     bad = httpx.post(f"{served['url']}/v1/completions", headers={"ndif-api-key": KEY},
-                     json={"prompt": "x", "stream": True})
-    assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
+                     json={"prompt": "x", "echo": True})
+    assert bad.status_code == 400 and "echo" in bad.json()["error"]["message"]
 
 
 # --------------------------------------------------------------------------- security and bad requests
@@ -314,6 +314,176 @@ def test_bad_requests_fail_alone_while_others_succeed(served, client, local_llam
     assert "exceeds the limit" in raw_generate(url, b"x" * (MAX_BODY + 1)).json()["detail"]
     assert_close(good(), want)
     assert set(engine_request_counts(APP)) == {0}
+
+
+# --------------------------------------------------------------------------- OpenAI's client: chat, streams, models, named edits
+
+
+def openai_client(served):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{served['url']}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def local_probe(local_llama, prompt, max_tokens):
+    """Text and the ``probe`` edit's saves of one plain request on the single-device engine."""
+    with local_llama.edit(name="probe") as (tracer, edit):
+        probe = local_llama.model.layers[2].output[0].clone().save()
+    try:
+        output = local_llama.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)[0]
+    finally:
+        edit.clear()
+    return output.outputs[0].text, output.saves["probe"]
+
+
+def test_openai_chat_streams_and_named_edits_match_local(served, client, local_llama, model_dir):
+    """The unmodified OpenAI client: models, chat (plain and streamed), streamed completions; a named
+    edit's saves and the generated text equal the single-device engine's."""
+    from transformers import AutoTokenizer
+
+    from nnsight_ray.serve import decode_saves
+
+    api = openai_client(served)
+    assert [m.id for m in api.models.list().data] == [model_dir]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
+    chat_ids = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    want_chat, want_chat_probe = local_probe(local_llama, {"prompt_token_ids": list(chat_ids)}, 4)
+    want_text, want_probe = {}, {}
+    for prompt in ("Hello world", "abc"):
+        want_text[prompt], want_probe[prompt] = local_probe(local_llama, prompt, 4)
+
+    with client.edit(name="probe", serve=served["url"], api_key=KEY) as (tracer, edit):
+        probe = client.model.layers[2].output[0].clone().save()
+    try:
+        # A client that never heard of nnsight: plain chat, no nnsight fields.
+        plain = api.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        assert plain.object == "chat.completion" and plain.choices[0].message.role == "assistant"
+        assert plain.choices[0].message.content == want_chat
+        assert plain.usage.prompt_tokens == len(chat_ids) and plain.usage.completion_tokens == 4
+        assert "nnsight_saves" not in (plain.model_extra or {})
+
+        named = api.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                            extra_body={"ignore_eos": True, "nnsight": {"edits": ["probe"]}})
+        assert named.choices[0].message.content == want_chat
+        (saves,) = decode_saves(named.model_extra["nnsight_saves"])
+        assert_close(saves["probe"], want_chat_probe)
+        assert named.model_extra["nnsight_errors"] == [None]
+
+        stream = api.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True, "nnsight": {"edits": ["probe"]}})
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        final = chunks[-1]
+        assert final.choices == [] and final.usage.completion_tokens == 4
+        assert_close(decode_saves(final.model_extra["nnsight_saves"])[0]["probe"], want_chat_probe)
+
+        stream = api.completions.create(model="tiny", prompt=["Hello world", "abc"], max_tokens=4, temperature=0,
+                                        stream=True, stream_options={"include_usage": True},
+                                        extra_body={"ignore_eos": True, "nnsight": {"edits": ["probe"]}})
+        chunks = list(stream)
+        texts = {0: "", 1: ""}
+        for chunk in chunks[:-1]:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        assert texts == {0: want_text["Hello world"], 1: want_text["abc"]}
+        assert chunks[-1].usage.completion_tokens == 8
+        for saves, prompt in zip(decode_saves(chunks[-1].model_extra["nnsight_saves"]), ("Hello world", "abc")):
+            assert_close(saves["probe"], want_probe[prompt])
+
+        # An edit nobody registered: 400 naming it, nothing run; the next request is served.
+        openai = pytest.importorskip("openai")
+        with pytest.raises(openai.BadRequestError, match="no edit is registered.*'nope'|'nope'.*no edit"):
+            api.completions.create(model="tiny", prompt="abc", max_tokens=1,
+                                   extra_body={"nnsight": {"edits": ["probe", "nope"]}})
+        again = api.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+        assert again.choices[0].text == want_text["abc"]
+    finally:
+        edit.clear()
+    assert registry_status(APP)["registrations"] == []
+    assert set(engine_request_counts(APP)) == {0}
+
+
+def scrape(ports) -> list[tuple[str, dict, float]]:
+    """Every ``ray_nnsight_*`` sample on the metrics export ports: (name, labels, value)."""
+    import re
+
+    samples = []
+    for port in ports:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        for line in text.splitlines():
+            if not line.startswith("ray_nnsight_"):
+                continue
+            head, _, value = line.rpartition(" ")
+            name, _, labels = head.partition("{")
+            samples.append((name, dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels)), float(value)))
+    return samples
+
+
+def total(samples, name, **labels) -> float:
+    return sum(v for n, got, v in samples if n == name and all(got.get(k) == w for k, w in labels.items()))
+
+
+def test_metrics_move_under_load_on_rays_export_port(served, client):
+    """Ray's export port on every raylet (``ray.nodes()``: ``MetricsExportPort``) shows the project's series
+    move while the app serves traces, completions, a stream and a failing trace."""
+    ports = sorted({n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]})
+    assert ports and all(ports)
+    before = scrape(ports)
+    api = openai_client(served)
+    stop = threading.Event()
+
+    def long_requests():  # keeps requests in flight while the gauge is polled
+        while not stop.is_set():
+            api.completions.create(model="tiny", prompt="load", max_tokens=200, temperature=0,
+                                   extra_body={"ignore_eos": True})
+
+    def plain_traced_load():
+        layer_and_logits(client, "Hello world", **on(served))
+        completions(served, ["Hello world", "abc"])
+        list(api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=3, stream=True))
+        with pytest.raises(Exception, match="IndexError|index"):
+            with client.trace("Hello", temperature=0.0, max_tokens=1, **on(served)):
+                client.model.layers[2].output[0][10_000].save()
+
+    wanted = {
+        "traced requests": lambda s: total(s, "ray_nnsight_request_latency_seconds_count", route="generate",
+                                           kind="traced"),
+        "completions": lambda s: total(s, "ray_nnsight_request_latency_seconds_count", route="completions",
+                                       kind="plain", status="ok"),
+        "chat": lambda s: total(s, "ray_nnsight_request_latency_seconds_count", route="chat"),
+        "time to first token": lambda s: total(s, "ray_nnsight_time_to_first_token_seconds_count", route="chat"),
+        "saved bytes": lambda s: total(s, "ray_nnsight_saved_bytes_total", route="completions"),
+        "stash": lambda s: total(s, "ray_nnsight_collect_seconds_count", stage="stash"),
+        "merge": lambda s: total(s, "ray_nnsight_collect_seconds_count", stage="merge"),
+        "intervention errors": lambda s: total(s, "ray_nnsight_intervention_errors_total", route="generate",
+                                               type="IndexError"),
+    }
+    with ThreadPoolExecutor(3) as pool:
+        loaders = [pool.submit(long_requests) for _ in range(2)]
+        plain_traced_load()
+        moved, in_flight_seen = set(), 0.0
+        deadline = time.monotonic() + 90
+        try:
+            while time.monotonic() < deadline and (len(moved) < len(wanted) or in_flight_seen < 1):
+                time.sleep(2)
+                now = scrape(ports)
+                moved |= {what for what, value in wanted.items() if value(now) > value(before)}
+                in_flight_seen = max(in_flight_seen, total(now, "ray_nnsight_requests_in_flight", kind="plain"))
+        finally:
+            stop.set()
+            for loader in loaders:
+                loader.result(timeout=120)
+    assert moved == set(wanted), f"series that did not move in 90 s: {sorted(set(wanted) - moved)}"
+    assert in_flight_seen >= 1, "ray_nnsight_requests_in_flight{kind='plain'} never showed a request in flight"
+    # Every series carries Ray's labels and the project's own.
+    sample = next(s for s in scrape(ports) if s[0] == "ray_nnsight_requests_in_flight")
+    assert {"route", "kind", "replica", "NodeAddress"} <= set(sample[1])
 
 
 # --------------------------------------------------------------------------- a replica whose engine dies (last)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nnsight_ray.models import ARCHITECTURES, build_model, ensure_model
+from nnsight_ray.models import ARCHITECTURES, CHAT_TEMPLATE, build_model, ensure_model
 
 # The test checkpoints; llama-1b (the GPU benchmark's 1.2B model, 2.4 GB) is built on the GPU host only.
 TINY = sorted(arch for arch, spec in ARCHITECTURES.items() if spec.hidden_size <= 512)
@@ -113,6 +113,35 @@ def test_marker_and_ensure_model_reuse(built):
     before = (path / "model.safetensors").stat().st_mtime_ns
     assert ensure_model(path, arch="llama", seed=0) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("arch", TINY)
+def test_tokenizer_has_a_chat_template_in_its_vocabulary(built, arch):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(built(arch, 0))
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    text = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hi there"}],
+                                         tokenize=False, add_generation_prompt=True)
+    assert text == "<|system|>\nBe brief.\n<|user|>\nHi there\n<|assistant|>\n"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == text
+
+
+def test_ensure_model_rebuilds_a_checkpoint_without_the_chat_template(built, tmp_path):
+    import shutil
+
+    path = Path(shutil.copytree(built("llama", 0), tmp_path / "old"))
+    for name in ("chat_template.jinja",):
+        (path / name).unlink(missing_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    ensure_model(path, arch="llama", seed=0)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(path).chat_template == CHAT_TEMPLATE
 
 
 def test_unknown_arch_is_a_clear_error(tmp_path):
