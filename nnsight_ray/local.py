@@ -133,6 +133,19 @@ class LocalVLLM(VLLM):
             release_placement_group(kwargs)
             raise
 
+    def _pipeline_stages(self) -> int:
+        return int((self.__dict__.get("_engine_kwargs") or {}).get("pipeline_parallel_size") or 1)
+
+    def _attach_mediators(self, params: list, **kwargs: Any) -> list:
+        # Each request names the ranks' own envoy tree rather than carrying a
+        # copy, where the ranks' tree is this one (see `_internal.envoy_refs`).
+        from ._internal import envoy_refs
+
+        if not envoy_refs.same_tree_as_ranks(self, self._pipeline_stages()):
+            return super()._attach_mediators(params, **kwargs)
+        with envoy_refs.by_reference(self):
+            return super()._attach_mediators(params, **kwargs)
+
     def topology(self) -> list[dict[str, Any]]:
         """Each rank's pp rank, tp rank, pid, node id and actor name, in rank order (as ``RayVLLM.topology``).
 

@@ -395,6 +395,10 @@ class RayVLLM(LocalVLLM):
     def name(self) -> str:
         return self._deployment["name"]
 
+    def _pipeline_stages(self) -> int:
+        handles = self._deployment.get("handles") or {}
+        return int(handles.get("spec", {}).get("engine_kwargs", {}).get("pipeline_parallel_size") or 1)
+
     def trace(self, *inputs: Any, blocking: bool = True, **kwargs: Any) -> Any:
         if self._async_engine and kwargs.get("backend") is None and kwargs.get("serve") is None:
             from .streaming import RayStreamBackend

@@ -3,7 +3,7 @@
 Usage::
 
     python scripts/bench_gpu.py [--arch llama-1b] [--prompts 256] [--tokens 32]
-        [--invokes 64] [--parts plain,local,ray] [--json OUT.json]
+        [--invokes 64] [--parts plain,local,nosnapshot,byvalue,ray] [--profile N] [--json OUT.json]
 
 Examples::
 
@@ -16,7 +16,10 @@ Engines, one after the other (each shut down before the next starts):
 
 * ``vllm-eager``: plain ``vllm.LLM(enforce_eager=True)`` - the floor nnsight is held to;
 * ``vllm-graphs``: plain vLLM with its defaults (CUDA graphs, torch.compile), GPU only;
-* ``local``: ``LocalVLLM`` (nnsight in-process), with the snapshot of saved values on and off;
+* ``local``: ``LocalVLLM`` (nnsight in-process);
+* ``nosnapshot``: ``LocalVLLM`` with the snapshot of saved values off (``NNSIGHT_RAY_SNAPSHOT_SAVES=0``);
+* ``byvalue``: ``LocalVLLM`` with every request carrying its own envoy tree, as
+  nnsight sends it (``NNSIGHT_RAY_ENVOY_REFS=0``; see ``_internal/envoy_refs``);
 * ``ray``: ``RayVLLM`` TP=1 (one rank actor in a GPU bundle), traces in flight together.
 
 Workloads on each nnsight engine (``--prompts`` prompts x ``--tokens`` greedy
@@ -30,6 +33,11 @@ tokens, ``ignore_eos``, no detokenization: the model is random):
 
 Prints one row per (engine, workload) with tokens/s and the ratio to
 ``vllm-eager`` (and to ``local`` for ``ray``), then a one-line summary.
+``--profile N`` also runs one ``prefill`` workload on ``LocalVLLM`` under
+cProfile and prints its top ``N`` functions by cumulative time: where the time
+goes, in the same run. It puts vLLM's engine core in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profile sees the runner, so the
+``local`` rows of such a run are for that in-process engine.
 """
 
 from __future__ import annotations
@@ -129,6 +137,26 @@ def workloads(model, texts: list[str], tokens: int, invokes: int, layer: int, ra
     }
 
 
+def profile(model, texts: list[str], tokens: int, invokes: int, layer: int, top: int) -> None:
+    """One ``prefill`` workload under cProfile; its top functions by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    chunks = [texts[i:i + invokes] for i in range(0, len(texts), invokes)]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for chunk in chunks:
+        with model.trace(**params(tokens)) as tracer:
+            for text in chunk:
+                with tracer.invoke(text):
+                    model.model.layers[layer].output[0][-1].save()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
+    print("\nPROFILE local prefill\n" + out.getvalue(), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="llama-1b")
@@ -139,7 +167,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parts", default="plain,local,ray")
     parser.add_argument("--model-dir", default=None, help="reuse a checkpoint built earlier")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="print the top N functions of one local prefill workload under cProfile")
     args = parser.parse_args(argv)
+    if args.profile:
+        # The engine core in this process, so the profile sees the runner too.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     import torch
 
@@ -163,22 +196,35 @@ def main(argv: list[str] | None = None) -> None:
         seconds["vllm-eager"] = {"generate": run_plain(path, texts, args.tokens, engine_kwargs, eager=True)}
         if on_gpu:
             seconds["vllm-graphs"] = {"generate": run_plain(path, texts, args.tokens, engine_kwargs, eager=False)}
-    if "local" in parts:
+    # LocalVLLM variants: (row name, environment it runs under, workloads it runs)
+    variants = [("local", {}, None),
+                ("local-nosnapshot", {"NNSIGHT_RAY_SNAPSHOT_SAVES": "0"}, ("prefill", "every-step")),
+                ("local-byvalue", {"NNSIGHT_RAY_ENVOY_REFS": "0"}, ("prefill", "every-step"))]
+    wanted = {"local": "local", "local-nosnapshot": "nosnapshot", "local-byvalue": "byvalue"}
+    for row, env, keep in variants:
+        if wanted[row] not in parts:
+            continue
         from nnsight_ray import LocalVLLM
 
-        for snap in ("1", "0"):
-            os.environ["NNSIGHT_RAY_SNAPSHOT_SAVES"] = snap
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
             began = time.perf_counter()
             model = LocalVLLM(path, dispatch=True, **engine_kwargs)
-            starts[f"local snapshot={snap}"] = time.perf_counter() - began
+            starts[row] = time.perf_counter() - began
             got = workloads(model, texts, args.tokens, args.invokes, layer, ray_mode=False)
-            if snap == "0":
-                got = {"prefill": got["prefill"], "every-step": got["every-step"]}
-            seconds["local" if snap == "1" else "local-nosnapshot"] = got
+            if row == "local" and args.profile:
+                profile(model, texts, args.tokens, args.invokes, layer, args.profile)
+            seconds[row] = {k: v for k, v in got.items() if keep is None or k in keep}
             model.shutdown()
             del model
             _free()
-        os.environ["NNSIGHT_RAY_SNAPSHOT_SAVES"] = "1"
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     if "ray" in parts:
         import ray
 

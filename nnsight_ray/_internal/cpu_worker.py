@@ -35,16 +35,15 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from .pipeline import StageForwardMixin, StageRunnerMixin
+from .pipeline import StageForwardMixin
 from .rank_worker import RankRPCMixin
-from .block_names import BlockNamesRunnerMixin
-from .snapshot import SnapshotRunnerMixin
+from .runner_mixins import RUNNER_MIXINS
 
 
-class NNsightCPUModelRunner(StageRunnerMixin, BlockNamesRunnerMixin, SnapshotRunnerMixin, NNsightGPUModelRunner, StageForwardMixin, CPUModelRunner):
+class NNsightCPUModelRunner(*RUNNER_MIXINS, NNsightGPUModelRunner, StageForwardMixin, CPUModelRunner):
     """nnsight's runner over vLLM's CPU runner, pipeline-stage aware.
 
-    MRO: ``StageRunnerMixin`` wraps nnsight's ``load_model``,
+    MRO: ``RUNNER_MIXINS`` (``runner_mixins``; ``StageRunnerMixin`` first) wrap nnsight's ``load_model``,
     ``_update_states`` and ``collect_nnsight``; ``StageForwardMixin`` sits
     below nnsight's ``execute_model`` so it runs inside nnsight's
     ``with interleaver:``, around vLLM's forward.

@@ -13,13 +13,12 @@ from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRu
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from .pipeline import StageForwardMixin, StageRunnerMixin
+from .pipeline import StageForwardMixin
 from .rank_worker import RankRPCMixin
-from .block_names import BlockNamesRunnerMixin
-from .snapshot import SnapshotRunnerMixin
+from .runner_mixins import RUNNER_MIXINS
 
 
-class NNsightStageGPUModelRunner(StageRunnerMixin, BlockNamesRunnerMixin, SnapshotRunnerMixin, NNsightGPUModelRunner, StageForwardMixin, GPUModelRunner):
+class NNsightStageGPUModelRunner(*RUNNER_MIXINS, NNsightGPUModelRunner, StageForwardMixin, GPUModelRunner):
     """nnsight's GPU runner, pipeline-stage aware (MRO as in ``NNsightCPUModelRunner``)."""
 
 

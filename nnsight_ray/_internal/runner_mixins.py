@@ -1,0 +1,21 @@
+"""The behaviour nnsight_ray adds to nnsight's model runner, on every platform.
+
+One tuple, so the CPU and GPU runners (``cpu_worker``, ``gpu_worker``) are
+composed the same way: each mixin wraps nnsight's ``NNsightGPUModelRunner``
+methods and calls ``super()``; ``StageForwardMixin`` (not here) sits below
+nnsight's runner, around vLLM's forward.
+
+- ``StageRunnerMixin``: pipeline stages (``pipeline``); inert at PP=1.
+- ``BlockNamesRunnerMixin``: a unique source name per received block (``block_names``).
+- ``SnapshotRunnerMixin``: saved values are snapshots, not views a later kernel overwrites (``snapshot``).
+- ``EnvoyRefsRunnerMixin``: requests name the rank's envoys instead of carrying a tree (``envoy_refs``).
+"""
+
+from __future__ import annotations
+
+from .block_names import BlockNamesRunnerMixin
+from .envoy_refs import EnvoyRefsRunnerMixin
+from .pipeline import StageRunnerMixin
+from .snapshot import SnapshotRunnerMixin
+
+RUNNER_MIXINS = (StageRunnerMixin, BlockNamesRunnerMixin, SnapshotRunnerMixin, EnvoyRefsRunnerMixin)
