@@ -28,16 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 BATCH_DEMO = ROOT / "cluster_configs" / "batch-demo.yaml"
 
 
-@pytest.fixture(autouse=True)
-def _no_ray(monkeypatch):
-    import ray
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("unit tests must not start or join Ray")
-
-    monkeypatch.setattr(ray, "init", refuse)
-
-
 def minimal(tmp_path: Path, **sections) -> dict:
     prompts = tmp_path / "prompts.jsonl"
     if not prompts.exists():

@@ -64,16 +64,6 @@ BATCH_SECTIONS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _no_ray(monkeypatch):
-    import ray
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("unit tests must not start or join Ray")
-
-    monkeypatch.setattr(ray, "init", refuse)
-
-
 def load_docs(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
 

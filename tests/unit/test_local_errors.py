@@ -11,16 +11,6 @@ import pytest
 from nnsight_ray.errors import NNsightRayError, RequestError
 
 
-@pytest.fixture(autouse=True)
-def _no_ray(monkeypatch):
-    import ray
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("unit tests must not start or join Ray")
-
-    monkeypatch.setattr(ray, "init", refuse)
-
-
 @pytest.fixture(scope="module")
 def intervention_error():
     from nnsight_ray.local import intervention_error

@@ -18,16 +18,6 @@ from nnsight_ray._internal.options import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _no_ray(monkeypatch):
-    import ray
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("unit tests must not start or join Ray")
-
-    monkeypatch.setattr(ray, "init", refuse)
-
-
 def test_split_separates_placement_options_from_engine_kwargs():
     kwargs = {
         "dtype": "float32",

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import pickle
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
 from greenlet import greenlet
 
+from nnsight.intervention.interleaver import EarlyStopException
+
 from nnsight_ray._internal import pipeline as pp
 from nnsight_ray._internal.pipeline import (
+    Block,
     LOCAL,
     WRITTEN,
     Ghost,
@@ -28,21 +32,16 @@ from nnsight_ray._internal.pipeline import (
     decode_message,
     encode_message,
 )
-
-
-@pytest.fixture(autouse=True)
-def _no_ray(monkeypatch):
-    import ray
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("unit tests must not start or join Ray")
-
-    monkeypatch.setattr(ray, "init", refuse)
+from nnsight_ray._internal.pipeline.ghosts import ghost_free
+from nnsight_ray._internal.pipeline.ownership import StagePersistentObjects, StageStub
+from nnsight_ray._internal.pipeline.runner import reported_error
+from nnsight_ray._internal.pipeline.wire import Unsendable
 
 
 def in_block(fn):
     """Run ``fn`` the way a block runs: in a greenlet that names a mediator."""
-    holder = type("M", (), {"_pp_last": "model.model.layers.0.output"})()
+    stage = SimpleNamespace(last_location=lambda mediator: "model.model.layers.0.output")
+    holder = type("M", (), {"interleaver": SimpleNamespace(nnsight_stage=stage)})()
     box = {}
 
     def body():
@@ -91,7 +90,7 @@ def test_ghost_save_marks_it():
 def test_ghost_to_python_value_stops_quietly(convert):
     with pytest.raises(GhostStop, match="layers.3.output.*stage 1"):
         in_block(lambda: convert(ghost().sum()))
-    assert issubclass(GhostStop, pp.EarlyStopException)
+    assert issubclass(GhostStop, EarlyStopException)
 
 
 def test_writing_a_ghost_into_a_real_tensor_is_a_dependency_error():
@@ -223,10 +222,10 @@ def test_three_stages_split_into_contiguous_owners():
 
 
 def test_persistent_objects_answer_for_any_module():
-    objects = pp.StagePersistentObjects({"Interleaver": "it"})
+    objects = StagePersistentObjects({"Interleaver": "it"})
     assert "Module:model.model.layers.3.self_attn" in objects
     stub = objects["Module:model.model.layers.3.self_attn"]
-    assert isinstance(stub, pp.StageStub) and objects["Module:model.model.layers.3.self_attn"] is stub
+    assert isinstance(stub, StageStub) and objects["Module:model.model.layers.3.self_attn"] is stub
     assert "Tokenizer" not in objects
     with pytest.raises(RuntimeError, match="another pipeline stage"):
         stub(torch.ones(1))
@@ -267,7 +266,7 @@ def test_unpicklable_recording_becomes_an_error_not_a_crash():
     packed = encode_message(message)
     back = decode_message(packed[pp.KEY], packed.get(pp.KEY_DATA))
     bad, good = back.values[(("r", ""), 0, 0)]
-    assert isinstance(bad, pp._Unsendable) and torch.equal(good, torch.ones(1))
+    assert isinstance(bad, Unsendable) and torch.equal(good, torch.ones(1))
 
 
 # --- two stages, real mediators ----------------------------------------------
@@ -303,27 +302,27 @@ def _stage(index, trees):
     return interleaver, state
 
 
-def _mediator(source: str):
+def _mediator(source: str, state):
     from nnsight.intervention.interleaver import Mediator
 
     mediator = Mediator(compile(source, "<block>", "exec"), {"Mediator": Mediator, "L": L, "torch": torch}, {})
-    pp._adopt(mediator, ("req-1", ""))
+    state.adopt(mediator, ("req-1", ""))
     return mediator
 
 
 def _run_stage(interleaver, state, mediator, message, forward):
     """One step of one stage: enter, receive, hand each own location to `handle`, drain."""
     interleaver.mediators = [mediator]
-    state.begin(message)
+    step = state.begin(message)
     with interleaver:
         for provider, value in forward:
             interleaver.handle(provider, value)
-        if not state.caught_up:
+        if not step.caught_up:
             interleaver.catch_up()
         if not state.map.is_last:
             interleaver.drain()
             interleaver.settle()
-    return state.outgoing() if state.busy and not state.map.is_last else None
+    return state.outgoing() if step.busy and not state.map.is_last else None
 
 
 def _outputs(seed):
@@ -333,7 +332,9 @@ def _outputs(seed):
 
 def test_two_stages_equal_one_device(trees):
     outputs = _outputs(0)
-    one = _mediator(BLOCK_ORDERED)
+    from nnsight.intervention.interleaver import Mediator
+
+    one = Mediator(compile(BLOCK_ORDERED, "<block>", "exec"), {"Mediator": Mediator, "L": L, "torch": torch}, {})
     # One device: every location, in order.
     from nnsight.modeling.vllm.interleaver import VLLMInterleaver
 
@@ -346,7 +347,7 @@ def test_two_stages_equal_one_device(trees):
 
     first, first_state = _stage(0, trees)
     second, second_state = _stage(1, trees)
-    m0, m1 = _mediator(BLOCK_ORDERED), _mediator(BLOCK_ORDERED)
+    m0, m1 = _mediator(BLOCK_ORDERED, first_state), _mediator(BLOCK_ORDERED, second_state)
     sent = _run_stage(first, first_state, m0, None, [(L(0), outputs[0]), (L(1), outputs[1])])
     assert isinstance(m0.lcls["x"], Ghost) or isinstance(m0.lcls["x"], tuple)
     assert isinstance(m0.lcls["b"], Ghost)
@@ -365,7 +366,7 @@ def test_two_stages_equal_one_device(trees):
 
 def test_ghosted_copy_error_is_not_reported_but_travels(trees):
     first, state = _stage(0, trees)
-    mediator = _mediator("y = Mediator.value(L(3))[0]\nif y.sum() > 0:\n    pass\n")
+    mediator = _mediator("y = Mediator.value(L(3))[0]\nif y.sum() > 0:\n    pass\n", state)
     sent = _run_stage(first, state, mediator, None, [(L(0), _outputs(1)[0]), (L(1), _outputs(1)[1])])
     # Stopped quietly: nothing to report from this stage ...
     assert mediator.exception is None and not mediator.alive
@@ -375,7 +376,7 @@ def test_ghosted_copy_error_is_not_reported_but_travels(trees):
 
 def test_missing_recording_names_location_step_and_stage(trees):
     second, state = _stage(1, trees)
-    mediator = _mediator("a = Mediator.value(L(0))\n")
+    mediator = _mediator("a = Mediator.value(L(0))\n", state)
     message = StageMessage(order=[state.map.code(L(0)), state.map.code(L(1))], stopped={("req-1", ""): "on stage 0: GhostStop: bool() of ..."})
     _run_stage(second, state, mediator, message, [(L(2), _outputs(2)[2])])
     error = mediator.exception
@@ -387,14 +388,14 @@ def test_missing_recording_names_location_step_and_stage(trees):
 
 def test_write_on_an_earlier_stage_must_have_happened_there(trees):
     second, state = _stage(1, trees)
-    mediator = _mediator("Mediator.swap(L(1), (torch.zeros(3, 2), torch.zeros(3, 2)))\n")
+    mediator = _mediator("Mediator.swap(L(1), (torch.zeros(3, 2), torch.zeros(3, 2)))\n", state)
     code = state.map.code(L(1))
     ok = StageMessage(order=[state.map.code(L(0)), code], values={(("req-1", ""), code, 0): [WRITTEN]})
     _run_stage(second, state, mediator, ok, [(L(2), _outputs(3)[2])])
     assert mediator.exception is None and not mediator.alive
 
     second, state = _stage(1, trees)
-    mediator = _mediator("Mediator.swap(L(1), (torch.zeros(3, 2), torch.zeros(3, 2)))\n")
+    mediator = _mediator("Mediator.swap(L(1), (torch.zeros(3, 2), torch.zeros(3, 2)))\n", state)
     missing = StageMessage(order=[state.map.code(L(0)), code])
     _run_stage(second, state, mediator, missing, [(L(2), _outputs(3)[2])])
     assert isinstance(mediator.exception, PipelineDependencyError)
@@ -414,7 +415,7 @@ def test_swapping_in_a_ghost_is_refused(trees):
             "    prev = Mediator.value(L(3))[0] * 2",
         ]
     )
-    mediator = _mediator(source)
+    mediator = _mediator(source, state)
     outputs = _outputs(4)
     _run_stage(first, state, mediator, None, [(L(0), outputs[0]), (L(1), outputs[1])])
     assert mediator.alive  # parked on step 1's layer 0
@@ -429,21 +430,31 @@ def test_swapping_in_a_ghost_is_refused(trees):
 def test_names_holding_a_ghost_are_left_to_the_stage_that_has_the_value():
     real = torch.ones(2)
     saves = {"a": real, "b": ghost(), "c": [real, ghost()], "d": {"x": real}}
-    assert pp._ghost_free(saves) == {"a": real, "d": {"x": real}}
+    assert ghost_free(saves) == {"a": real, "d": {"x": real}}
 
 
 def test_errors_from_copies_that_saw_ghosts_are_not_reported():
-    from types import SimpleNamespace
-
     plain = {"type_name": "RuntimeError", "message": "shape mismatch"}
     dependency = {"type_name": "PipelineDependencyError", "message": "edit of ..."}
 
-    def request(error, ghosted, own_error=None):
-        mediator = SimpleNamespace(nnsight_error=error, _pp_ghosted=ghosted)
-        return SimpleNamespace(error=own_error, mediator=mediator)
+    def request(error, own_error=None):
+        return SimpleNamespace(error=own_error, mediator=SimpleNamespace(nnsight_error=error))
 
-    assert pp._reported_error(request(plain, ghosted=False)) is plain
-    assert pp._reported_error(request(plain, ghosted=True)) is None
-    assert pp._reported_error(request(dependency, ghosted=True)) is dependency
+    assert reported_error(request(plain), ghosted=False) is plain
+    assert reported_error(request(plain), ghosted=True) is None
+    assert reported_error(request(dependency), ghosted=True) is dependency
     refused = {"type_name": "ValueError", "message": "edits=['x'] ..."}
-    assert pp._reported_error(request(plain, ghosted=True, own_error=refused)) is refused
+    assert reported_error(request(plain, own_error=refused), ghosted=True) is refused
+
+
+def test_a_blocks_bookkeeping_lives_with_its_stage_not_on_the_mediator(trees):
+    first, state = _stage(0, trees)
+    mediator = _mediator("y = Mediator.value(L(3))[0]\n", state)
+    before = set(vars(mediator))
+    _run_stage(first, state, mediator, None, [(L(0), _outputs(5)[0]), (L(1), _outputs(5)[1])])
+    block = state.blocks[mediator]
+    assert isinstance(block, Block) and block.key == ("req-1", "") and block.ghosted
+    assert state.ghosted(mediator) and not state.ghosted(None)
+    assert not {name for name in set(vars(mediator)) - before if "pp" in name}
+    state.adopt(mediator, ("other", ""))  # a block keeps the key it was adopted under
+    assert state.blocks[mediator].key == ("req-1", "")

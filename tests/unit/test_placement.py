@@ -9,13 +9,6 @@ from nnsight_ray._internal.options import _bundles
 from nnsight_ray._internal.ray_executor import _actor_resources
 
 
-@pytest.fixture(autouse=True)
-def no_ray(monkeypatch):
-    import ray
-
-    monkeypatch.setattr(ray, "init", lambda *a, **k: (_ for _ in ()).throw(AssertionError("unit tests must not start Ray")))
-
-
 def test_cpu_bundles_reserve_cpus_only():
     placement = RankPlacement(device="cpu", cpus_per_rank=2)
     assert _bundles(3, placement) == [{"CPU": 2.0}] * 3

@@ -1,0 +1,207 @@
+"""Stage ownership: which pipeline stage runs which location (pure; unit-tested without an engine)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: A location's owner when no single stage runs it (handled by every stage).
+LOCAL = -1
+
+_INDEXED = re.compile(r"^(?P<parent>.+)\.(?P<index>\d+)(?P<rest>(\..*)?)$")
+_MODULE_LOCATIONS = ("input", "output", "skip")
+
+
+@dataclass
+class StageMap:
+    """Which pipeline stage owns each location, as seen from one stage.
+
+    Attributes:
+        stage: This stage's index.
+        num_stages: Pipeline size.
+        owner: Provider -> owning stage, for every module location of the full
+            tree plus ``{root}.logits`` / ``{root}.samples``.
+        modules: Module path -> (input owner, output owner): different for a
+            container whose children span stages, ``LOCAL`` for a path no
+            stage really holds.
+        later: Providers a later stage owns (counted once per step after the drain).
+        names: Every provider, sorted: ``names[i]`` is code ``i`` on the wire.
+        templates: Later provider -> this stage's sibling whose value has the
+            same structure (layer ``i`` of a split list -> an own layer).
+        missing: Module paths of the full tree this stage does not hold.
+    """
+
+    stage: int
+    num_stages: int
+    owner: dict[str, int]
+    modules: dict[str, tuple[int, int]]
+    later: tuple[str, ...]
+    names: list[str]
+    templates: dict[str, str]
+    missing: list[str]
+    codes: dict[str, int] = field(default_factory=dict)
+    template_sources: frozenset = frozenset()
+    _resolved: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.codes = {name: i for i, name in enumerate(self.names)}
+        self.template_sources = frozenset(self.templates.values())
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def owner_of(self, provider: str) -> int:
+        """The stage that runs ``provider``, or `LOCAL` if each stage handles it itself.
+
+        Locations outside the module map (``.source`` operations, ``result``)
+        belong to the nearest enclosing module's body: its owner, or `LOCAL`
+        inside a container that spans stages.
+        """
+        found = self.owner.get(provider)
+        if found is not None:
+            return found
+        found = self._resolved.get(provider)
+        if found is not None:
+            return found
+        found = LOCAL
+        path = provider
+        while "." in path:
+            path = path.rsplit(".", 1)[0]
+            span = self.modules.get(path)
+            if span is not None:
+                found = span[0] if span[0] == span[1] else LOCAL
+                break
+        self._resolved[provider] = found
+        return found
+
+    def code(self, provider: str) -> int | str:
+        return self.codes.get(provider, provider)
+
+    def name(self, code: int | str) -> str:
+        return self.names[code] if isinstance(code, int) else code
+
+
+def build_stage_map(stage: int, trees: list[dict[str, bool]], root: str = "model") -> StageMap:
+    """Work out location ownership from every stage's module tree.
+
+    ``trees[s]`` maps each module path stage ``s`` has to whether it is real
+    there (``False`` for a ``PPMissingLayer`` placeholder). A module's home is
+    the first stage where it is real; a module whose descendants live on
+    several stages spans them: its ``.input``/``.skip`` belong to the first of
+    those and its ``.output`` to the last. Pure, so it is unit-tested without
+    an engine.
+    """
+    num_stages = len(trees)
+    paths = sorted({path for tree in trees for path in tree})
+    # Each module's home, handed up to every enclosing module (one pass).
+    homes_of: dict[str, set] = {path: set() for path in paths}
+    for path in paths:
+        home = next((s for s, tree in enumerate(trees) if tree.get(path)), None)
+        if home is None:
+            continue
+        ancestor = path
+        while True:
+            if ancestor in homes_of:
+                homes_of[ancestor].add(home)
+            if "." not in ancestor:
+                break
+            ancestor = ancestor.rsplit(".", 1)[0]
+
+    modules: dict[str, tuple[int, int]] = {}
+    for path in paths:
+        homes = homes_of[path]
+        if not homes:
+            modules[path] = (LOCAL, LOCAL)
+        elif len(homes) == 1:
+            home = homes.pop()
+            modules[path] = (home, home)
+        else:
+            modules[path] = (min(homes), max(homes))
+
+    owner: dict[str, int] = {}
+    for path, (first, last) in modules.items():
+        owner[f"{path}.input"] = first
+        owner[f"{path}.skip"] = first
+        owner[f"{path}.output"] = last
+    owner[f"{root}.logits"] = num_stages - 1
+    owner[f"{root}.samples"] = num_stages - 1
+
+    later = tuple(sorted(p for p, s in owner.items() if s > stage))
+
+    # A later stage's layer has the structure of one this stage holds, when
+    # both are entries of the same split list.
+    templates: dict[str, str] = {}
+    own_index: dict[str, int] = {}
+    for path, (first, last) in modules.items():
+        match = _INDEXED.match(path)
+        if match and not match.group("rest") and first == last == stage:
+            parent = match.group("parent")
+            own_index[parent] = max(own_index.get(parent, -1), int(match.group("index")))
+    for provider in later:
+        loc, _, kind = provider.rpartition(".")
+        match = _INDEXED.match(loc)
+        if match and match.group("parent") in own_index:
+            sibling = f"{match.group('parent')}.{own_index[match.group('parent')]}{match.group('rest')}.{kind}"
+            if sibling in owner and owner[sibling] == stage:
+                templates[provider] = sibling
+
+    mine = trees[stage]
+    missing = [path for path in paths if not mine.get(path)]
+    return StageMap(
+        stage=stage,
+        num_stages=num_stages,
+        owner=owner,
+        modules=modules,
+        later=later,
+        names=sorted(owner),
+        templates=templates,
+        missing=missing,
+    )
+
+
+def module_tree(model: Any) -> dict[str, bool]:
+    """This stage's module paths and whether each is real (not a vLLM ``PPMissingLayer``)."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    return {envoy.path: not isinstance(envoy._module, PPMissingLayer) for envoy in model.modules()}
+
+
+class StageStub(torch.nn.Module):
+    """Stands in for a module another pipeline stage holds, so blocks that name it deserialize here."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.nnsight_pp_path = path
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{self.nnsight_pp_path} runs on another pipeline stage, not this one")
+
+    def extra_repr(self) -> str:
+        return self.nnsight_pp_path
+
+
+class StagePersistentObjects(dict):
+    """The runner's persistent-object map, answering for modules other stages hold.
+
+    nnsight's unpickler asks ``pid in objects`` and then ``objects[pid]``; a
+    ``Module:<path>`` this stage lacks resolves to a `StageStub`, built once.
+    """
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key) or (isinstance(key, str) and key.startswith("Module:"))
+
+    def __missing__(self, key: str) -> Any:
+        if not (isinstance(key, str) and key.startswith("Module:")):
+            raise KeyError(key)
+        stub = self[key] = StageStub(key[len("Module:"):])
+        return stub
+
+
+
+def counted(taps: frozenset, provider: str) -> bool:
+    """Whether nnsight counts a visit to ``provider``: on a CUDA-graph engine only taps are."""
+    return not taps or provider in taps or provider.rsplit(".", 1)[-1] not in _MODULE_LOCATIONS
