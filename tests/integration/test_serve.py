@@ -254,9 +254,14 @@ def test_completions_match_local_generate_and_speak_openai(served, local_llama):
 
 def test_wrong_or_missing_key_is_refused_and_nothing_runs(served, client):
     url = served["url"]
-    for route in ("/v1/nnsight/generate", "/v1/nnsight/register/x", "/v1/nnsight/register/x/clear", "/v1/completions"):
+    for route in ("/v1/nnsight/generate", "/v1/nnsight/register/x", "/v1/nnsight/register/x/clear", "/v1/completions",
+                  "/v1/chat/completions"):
         assert httpx.post(f"{url}{route}", content=b"{}").status_code == 401
         assert httpx.post(f"{url}{route}", content=b"{}", headers={"ndif-api-key": "wrong"}).status_code == 403
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer wrong"}).status_code == 403
+    big = httpx.post(f"{url}/v1/chat/completions", content=b"x" * (MAX_BODY + 1), headers={"ndif-api-key": KEY})
+    assert big.status_code == 413
     with pytest.raises(ConnectionError, match="403"):
         layer_and_logits(client, "Hello", serve=url, api_key="wrong")
     with pytest.raises(ConnectionError, match="403"):
