@@ -8,7 +8,9 @@ vLLM, nnsight and transformers all load the same folder.
 Two architectures give two module trees: ``llama`` (``model.layers[i]``, decoder
 layers returning ``(hidden, residual)`` in vLLM) and ``gpt2``
 (``transformer.h[i]``, returning the hidden state alone). Both keep
-``head_dim = 64``: vLLM's CPU attention kernels refuse smaller heads.
+``head_dim = 64``: vLLM's CPU attention kernels refuse smaller heads. ``gpt2-12``
+(``SUITE_ARCHITECTURES``) is GPT-2 small's tree and 50257-id vocabulary at
+hidden 128, for nnsight's own vLLM test file (``scripts/nnsight_suite.py``).
 
 Usage::
 
@@ -25,7 +27,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ARCHITECTURES", "CHAT_TEMPLATE", "ModelSpec", "build_model", "ensure_model"]
+__all__ = ["ARCHITECTURES", "CHAT_TEMPLATE", "ModelSpec", "SUITE_ARCHITECTURES", "build_model", "ensure_model"]
 
 # Characters the tokenizer knows; everything else maps to <unk>.
 _CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
@@ -56,6 +58,9 @@ class ModelSpec:
     init_std: float = 0.08
     #: The dtype the checkpoint is written in.
     dtype: str = "float32"
+    #: ``chars``: one token per character (~100 ids); ``gpt2-bytes``: GPT-2's byte-level scheme with
+    #: its 50257 ids (``<|endoftext|>`` = 50256), see :func:`_build_gpt2_tokenizer`.
+    tokenizer: str = "chars"
 
     @property
     def head_dim(self) -> int:
@@ -72,6 +77,24 @@ ARCHITECTURES: dict[str, ModelSpec] = {
                           intermediate_size=5632, max_positions=2048, vocab_size=32000, init_std=0.02,
                           dtype="bfloat16"),
 }
+
+#: Checkpoints for foreign test suites, outside ``ARCHITECTURES`` (whose tiny entries promise one token per
+#: character); ``build_model`` and the CLI take both. ``gpt2-12``: GPT-2 small's module tree and vocabulary
+#: (12 layers, c_fc width 3072, 50257 ids) at hidden 128, what nnsight's own tests/test_vllm.py indexes and
+#: asserts (scripts/nnsight_suite.py); 66 MB, ~40 s to build.
+SUITE_ARCHITECTURES: dict[str, ModelSpec] = {
+    "gpt2-12": ModelSpec("gpt2", hidden_size=128, num_layers=12, num_heads=2, num_kv_heads=2,
+                         intermediate_size=3072, max_positions=1024, vocab_size=50257, tokenizer="gpt2-bytes"),
+}
+_ALL_ARCHITECTURES = {**ARCHITECTURES, **SUITE_ARCHITECTURES}
+
+#: Whole GPT-2 tokens the ``gpt2-bytes`` tokenizer knows (merges spell each one out); every other word
+#: is split into bytes. nnsight's suite prompts tokenize as GPT-2 does ("The Eiffel Tower is located in
+#: the city of": 11 tokens).
+_GPT2_WORDS = ["The", "\u0120E", "iff", "el", "\u0120Tower", "\u0120is", "\u0120located", "\u0120in",
+               "\u0120the", "\u0120city", "\u0120of", "Mad", "ison", "\u0120Square", "\u0120Garden",
+               "\u0120Paris", "\u0120London", "\u0120New", "\u0120York", "\u0120City"]
+_GPT2_VOCAB = 50257
 
 
 def _build_tokenizer():
@@ -90,6 +113,49 @@ def _build_tokenizer():
         eos_token="</s>",
         pad_token="</s>",
         clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's printable stand-in for each byte, in id order 0..255 (its ``bytes_to_unicode``)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) \
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def _build_gpt2_tokenizer():
+    """A byte-level BPE tokenizer with GPT-2's 50257 ids: the 256 bytes, merges spelling out
+    :data:`_GPT2_WORDS`, filler tokens ``<|t<i>|>`` (decodable, never produced by encoding) and
+    ``<|endoftext|>`` last, as GPT-2 has it (bos = eos, no pad token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode())}
+    merges = []
+    for word in _GPT2_WORDS:
+        prefix = word[0]
+        for ch in word[1:]:
+            if prefix + ch not in vocab:
+                merges.append((prefix, ch))
+                vocab[prefix + ch] = len(vocab)
+            prefix += ch
+    while len(vocab) < _GPT2_VOCAB - 1:
+        vocab[f"<|t{len(vocab)}|>"] = len(vocab)
+    vocab["<|endoftext|>"] = _GPT2_VOCAB - 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>", clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -133,13 +199,13 @@ def build_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0) -> 
     The same ``(arch, seed)`` always gives the same weights, so tests and
     references computed in different processes agree.
     """
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    if arch not in _ALL_ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(_ALL_ARCHITECTURES)}")
     import torch
     from transformers import AutoModelForCausalLM
 
-    spec = ARCHITECTURES[arch]
-    tokenizer = _build_tokenizer()
+    spec = _ALL_ARCHITECTURES[arch]
+    tokenizer = _build_gpt2_tokenizer() if spec.tokenizer == "gpt2-bytes" else _build_tokenizer()
     config = _config(spec, spec.vocab_size or len(tokenizer), tokenizer)
     torch.manual_seed(seed)
     # A large model is built on the GPU when there is one (seconds instead of minutes).
@@ -181,7 +247,7 @@ def _has_chat_template(path: Path) -> bool:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="nnsight-ray build-model", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="folder to write the checkpoint to")
-    parser.add_argument("--arch", default="llama", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--arch", default="llama", choices=sorted(_ALL_ARCHITECTURES))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     print(build_model(args.path, arch=args.arch, seed=args.seed))

@@ -152,13 +152,61 @@ def merge_request(output: Any, request_id: str, payloads: list[bytes | None]) ->
     """Attach a finished request's merged saves (ranks' payloads in rank order) to its output."""
     from nnsight.modeling.vllm.engines.engine import attach, merge_collected
 
-    entry = merge_collected([p for p in payloads if p]).get(request_id)
+    present = [p for p in payloads if p]
+    entry = merge_collected(present).get(request_id)
+    if entry is not None and len(present) > 1:
+        merge_caches(entry, request_id, present)
     if output is None:
         return None
     if entry is None:
         entry = {"saves": {}, "error": None, "registered": {}, "sequences": {}}
     attach(output, entry)
     return output
+
+
+def _cache_views(saves: dict) -> list[str]:
+    from nnsight.intervention.cache import CacheView
+
+    return [name for name, value in saves.items() if isinstance(value, CacheView)]
+
+
+def merge_caches(entry: dict, request_id: str, payloads: list[bytes]) -> None:
+    """Give every ``tracer.cache()`` of a request the modules of every rank, as one device records them.
+
+    ``merge_collected`` keeps one rank's value per saved name (the last one's), which for a
+    ``CacheView`` is one pipeline stage's modules only: each stage's ``Cache`` records the
+    modules that ran there. Here each view's ``Cache.entries`` becomes the union over the
+    ranks in rank order (stage 0's layers first, as the forward reached them); a module
+    recorded by several ranks (tensor-parallel peers, equal values; the model and its
+    containers, called on every stage) keeps the latest rank's visits, the last stage's
+    being the model's real output. Payloads are read again only when a request saved a cache.
+    """
+    import copy
+    import pickle
+
+    where = [("saves", None, entry["saves"])] + [
+        ("sequences", index, sequence["saves"]) for index, sequence in (entry.get("sequences") or {}).items()]
+    wanted = [(kind, index, name) for kind, index, saves in where for name in _cache_views(saves)]
+    if not wanted:
+        return
+    merged: dict[tuple, dict] = {key: {} for key in wanted}
+    for payload in payloads:
+        mine = pickle.loads(payload).get(request_id) or {}
+        for kind, index, name in wanted:
+            saves = mine.get("saves") if kind == "saves" else \
+                ((mine.get("sequences") or {}).get(index) or {}).get("saves")
+            view = (saves or {}).get(name)
+            if view is not None and hasattr(view, "_cache"):
+                into = merged[(kind, index, name)]
+                for path, visits in view._cache.entries.items():
+                    into.pop(path, None)
+                    into[path] = visits
+    for (kind, index, name), entries in merged.items():
+        saves = entry["saves"] if kind == "saves" else entry["sequences"][index]["saves"]
+        view = saves[name]
+        cache = copy.copy(view._cache)
+        cache.entries = entries
+        saves[name] = type(view)(cache, view._envoy, view._path)
 
 
 def trace_saves(outputs: list[Any], presaved: set[str]) -> dict[str, Any]:
