@@ -235,7 +235,7 @@ def table(results: dict[str, dict[str, tuple[str, str]]], targets: list[str]) ->
         lines.append(f"| {test} | " + " | ".join(cells) + " |")
     lines.append("")
     for msg, idx in notes.items():
-        lines.append(f"[{idx}] `{msg.replace('|', '/').replace('`', chr(39))}`  ")
+        lines.append(f"[{idx}] `{msg.replace('`', chr(39))}`  ")
     return "\n".join(lines), ray_only
 
 
