@@ -123,7 +123,8 @@ class LocalVLLM(VLLM):
             return super()._load_meta(repo_id, **kwargs)
 
     def _load(self, repo_id: str, **kwargs: Any) -> Any:
-        from ._internal.options import configure_engine_kwargs, release_placement_group
+        from ._internal.options import release_placement_group
+        from ._internal.ray_executor import configure_engine_kwargs
 
         kwargs = configure_engine_kwargs(platform.engine_defaults(kwargs))
         self._engine_kwargs = kwargs
@@ -161,7 +162,7 @@ class LocalVLLM(VLLM):
         """Stop the engine (its core process, any Ray rank actors) and free what it reserved.
 
         With ``distributed_executor_backend="ray"`` the ranks' placement group
-        is reserved in this process (see ``configure_engine_kwargs``), so it
+        is reserved in this process (see ``ray_executor.configure_engine_kwargs``), so it
         outlives the engine core unless released here. Safe to call twice.
         """
         from ._internal.options import release_placement_group

@@ -12,21 +12,23 @@ logits/samples, ``tracer.result``, ``model.edit()``, ``model.generate(...)``
 without a block) behaves the same here.
 
 On top: ``trace(..., blocking=False)`` returns at once with ``tracer.ref`` (an
-``ObjectRef`` resolving to ``{name: value}``) and ``tracer.collect()``;
+``ObjectRef`` resolving to ``{name: value}``) and ``tracer.collect()``, through
+nnsight's backend seam (``refs.RayRefBackend``);
 ``RayVLLM.connect(name)`` attaches to a running named deployment from any
 process of the cluster; ``mode="async"`` streams (see ``streaming.py``).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from typing import Any
 
-from .errors import EngineDeadError, RequestError
+from .errors import EngineDeadError
+from ._internal import ray_errors
 from ._internal.options import RAY_OPTION_NAMES
 from .local import LocalVLLM
+from .refs import RayRefBackend, no_ref
 
 __all__ = ["RayVLLM", "RemoteEngine"]
 
@@ -34,26 +36,6 @@ __all__ = ["RayVLLM", "RemoteEngine"]
 # Between polls of a result, a blocking caller checks that the engine actor answers.
 POLL_S = 1.0
 PING_TIMEOUT_S = 10.0
-
-
-def _unwrap(error: BaseException) -> BaseException:
-    """The exception an actor raised, without Ray's RayTaskError wrapping."""
-    import ray
-
-    if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
-        return error.cause
-    if isinstance(error, ray.exceptions.RayActorError):
-        return EngineDeadError(f"the deployment's actor died: {error}")
-    return error
-
-
-def ray_get(ref: Any, timeout: float | None = None) -> Any:
-    import ray
-
-    try:
-        return ray.get(ref, timeout=timeout)
-    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
-        raise _unwrap(error) from None
 
 
 # The keys that make a dict one of vLLM's prompt forms (TextPrompt, TokensPrompt, ...).
@@ -100,7 +82,7 @@ class RemoteEngine:
             from ._internal.liveness import ENGINE, MERGE, ActorRecord, DeploymentRecords
 
             try:
-                self._records = ray_get(self.engine.get_records.remote(), timeout=PING_TIMEOUT_S)
+                self._records = ray_errors.get(self.engine.get_records.remote(), timeout=PING_TIMEOUT_S)
             except Exception:  # the engine actor is gone: what the handles say
                 return DeploymentRecords(
                     ActorRecord(ENGINE, f"{self.name}.engine", self.engine._actor_id.hex()),
@@ -129,7 +111,7 @@ class RemoteEngine:
 
         if isinstance(error, ray.exceptions.RayActorError):
             return self.dead(error)
-        return _unwrap(error)
+        return ray_errors.cause(error)
 
     def wait(self, ref: Any, timeout: float | None = None) -> Any:
         """``ray.get(ref)`` that never hangs on a dead deployment.
@@ -147,7 +129,7 @@ class RemoteEngine:
             if ready:
                 try:
                     return ray.get(ref)
-                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
+                except ray_errors.call_errors() as error:
                     raise self.unwrap(error) from None
             if deadline is not None and time.monotonic() >= deadline:
                 raise ray.exceptions.GetTimeoutError(f"no result from deployment {self.name} in {timeout} s")
@@ -226,7 +208,7 @@ class RemoteEngine:
 
         try:
             return (await self._merge(group).outputs.remote(group, 1))[0]
-        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
+        except ray_errors.call_errors() as error:
             raise self.unwrap(error) from None
 
     def topology(self) -> list[dict[str, Any]]:
@@ -242,11 +224,6 @@ class RemoteEngine:
             return self.wait(self.engine.health.remote(), timeout=3 * PING_TIMEOUT_S)
         except (EngineDeadError, ray.exceptions.GetTimeoutError) as error:
             return {"alive": False, "error": str(error), "actors": as_dicts(self.survey())}
-
-
-class _TraceState(threading.local):
-    blocking = True
-    tracer: Any = None
 
 
 class RayVLLM(LocalVLLM):
@@ -294,7 +271,6 @@ class RayVLLM(LocalVLLM):
                                     pipeline_parallel_size=pipeline_parallel_size,
                                     engine_actor_options=engine_actor_options, **kwargs)
         self._deployment = {"name": _handles["spec"]["name"], "handles": _handles}
-        self._trace_state = _TraceState()
         engine_kwargs = {k: v for k, v in kwargs.items() if k not in RAY_OPTION_NAMES}
         try:
             super().__init__(model, **nnsight_kwargs, **engine_kwargs)
@@ -316,16 +292,13 @@ class RayVLLM(LocalVLLM):
         from ._internal.options import RankPlacement, connect_ray
 
         connect_ray()
-        placement_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in RAY_OPTION_NAMES}
-        pg = placement_kwargs.pop("placement_group", None)
-        if pg is not None:
-            placement_kwargs["placement_group_id"] = pg.id.hex()
+        placement = RankPlacement.from_options({k: kwargs.pop(k) for k in list(kwargs) if k in RAY_OPTION_NAMES})
         for key in ("mode", "envoys"):
             kwargs.pop(key, None)
         engine_kwargs = {**kwargs, "tensor_parallel_size": tensor_parallel_size,
                          "pipeline_parallel_size": pipeline_parallel_size}
         return deploy.launch(name or f"nnsight-{uuid.uuid4().hex[:8]}", model, engine_kwargs,
-                             RankPlacement(**placement_kwargs), num_merge_actors=num_merge_actors,
+                             placement, num_merge_actors=num_merge_actors,
                              detached=detached, engine_actor_options=engine_actor_options)
 
     @classmethod
@@ -400,40 +373,25 @@ class RayVLLM(LocalVLLM):
         return int(handles.get("spec", {}).get("engine_kwargs", {}).get("pipeline_parallel_size") or 1)
 
     def trace(self, *inputs: Any, blocking: bool = True, **kwargs: Any) -> Any:
-        if self._async_engine and kwargs.get("backend") is None and kwargs.get("serve") is None:
+        """nnsight's trace; ``blocking=False`` returns at once with ``tracer.ref`` (see ``refs``)."""
+        own_backend = kwargs.get("backend") is None and kwargs.get("serve") is None
+        if own_backend and self._async_engine:
             from .streaming import RayStreamBackend
 
             kwargs["backend"] = RayStreamBackend(self)
+        elif own_backend and not blocking:
+            kwargs["backend"] = RayRefBackend(self)
         tracer = super().trace(*inputs, **kwargs)
-        self._trace_state.blocking = blocking
-        self._trace_state.tracer = tracer
-        tracer.ref = None
-        tracer.collect = lambda timeout=None: _collect_ref(self.vllm_entrypoint, tracer.ref, timeout)
+        if not isinstance(kwargs.get("backend"), RayRefBackend):
+            no_ref(tracer)
         return tracer
 
-    def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
-        if self._trace_state.blocking:
-            return super()._call(prompts, params, lora_requests, **kwargs)
-        mediators = self._attach_mediators(params, **kwargs)
-        presaved: set[str] = set()
-        for mediator in mediators:
-            presaved |= getattr(mediator, "presaved", set())
-        ref = self.vllm_entrypoint.trace_ref(prompts, params, lora_requests, presaved)
-        self._trace_state.tracer.ref = ref
-        return None
-
     def __getstate__(self) -> dict:
-        # A block that references the model pickles it (nnsight's serialization
-        # maps modules to persistent ids but the envoy itself travels); the
-        # per-thread trace state and live actor handles stay home.
+        # A block that references the model may pickle it (by value on a
+        # pipeline stage, see `_internal.envoy_refs`); live actor handles stay home.
         state = super().__getstate__()
-        state.pop("_trace_state", None)
         state["_deployment"] = {**state["_deployment"], "handles": None}
         return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._trace_state = _TraceState()
 
     def topology(self) -> list[dict[str, Any]]:
         """Each rank's pp rank, tp rank, node id and actor name, in rank order."""
@@ -455,10 +413,3 @@ class RayVLLM(LocalVLLM):
             deploy.shutdown(handles)
             self._deployment["handles"] = None
         self.vllm_entrypoint = None
-
-
-def _collect_ref(engine: RemoteEngine, ref: Any, timeout: float | None = None) -> dict[str, Any]:
-    """Block for a non-blocking trace's ``{name: value}``; raises its error as a blocking trace does."""
-    if ref is None:
-        raise RequestError("this trace has no result reference: it was blocking, or has not exited yet")
-    return engine.wait(ref, timeout)

@@ -26,6 +26,8 @@ from typing import Any
 
 from nnsight.tracing.backend import Backend
 
+from ._internal.ray_errors import call_errors
+
 
 class RayStreamBackend(Backend):
     """Backend for a trace on an async ``RayVLLM``."""
@@ -66,7 +68,7 @@ class RayStreamBackend(Backend):
             async for ref in self._generator:
                 try:
                     output = await ref
-                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
+                except call_errors() as error:
                     # what died, named as every other caller of the deployment hears it
                     raise engine.unwrap(error) from None
                 if output.finished:

@@ -1,8 +1,9 @@
-"""The Ray edge: actor classes, their options, deploy / connect / shutdown.
+"""The Ray edge of a deployment: engine and merge actor classes, their options, launch / connect / shutdown.
 
-All ``ray.remote`` options (names, namespace, lifetime, resources, runtime env)
-are applied here and nowhere else; the logic lives in ``engine.py`` and
-``merge.py`` and never calls Ray itself.
+The engine and merge actors' ``ray.remote`` options (names, namespace,
+lifetime, resources, runtime env) are applied here; the rank actors' by the
+executor that vLLM's engine core runs (``ray_executor.py``). The logic lives
+in ``engine.py`` and ``merge.py`` and never calls Ray itself.
 
 Names, in the ``nnsight_ray`` namespace, for a deployment called ``<name>``::
 
@@ -30,7 +31,9 @@ from .engine import Report
 from .liveness import (ENGINE, MERGE, ActorRecord, ActorState, DeploymentRecords, as_dicts, dead_message,
                        diagnose, engine_dead, every, rank_records, read_states)
 from .merge import MergeBook, trace_saves
-from .options import NAMESPACE, RankPlacement, placement_group_name, remove_named_placement_groups, reserve_placement_group
+from .ray_errors import cause
+from .options import (NAMESPACE, PlacementPlan, RankPlacement, placement_group_name, plan_placement,
+                      remove_named_placement_groups, world_size)
 from .topology import RankId
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,8 @@ GROUP_TTL_S = float(os.environ.get("NNSIGHT_RAY_GROUP_TTL_S", "3600"))
 # actor at the engine actor; a ping unanswered this long is logged, not a death.
 WATCH_PERIOD_S = 1.0
 PING_TIMEOUT_S = 10.0
+# How long a merge actor that saw a rank fail waits for the engine actor to declare the death.
+DECLARED_WAIT_S = 5.0
 
 
 # Per-node settings: forwarding them would make a remote node advertise this one's.
@@ -100,6 +105,8 @@ class MergeActor:
         self.name = name
         self.ranks: list[Any] = []
         self.rank_names: list[str] = []
+        self.rank_records: list[ActorRecord] = []
+        self.engine_record: ActorRecord | None = None
         self.book = MergeBook(ABANDON_AFTER_S, GROUP_TTL_S)
         self._sweeper: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -108,11 +115,13 @@ class MergeActor:
         # then. Import it now, while the engine actor is still starting vLLM.
         threading.Thread(target=_import_rank_class, name="nnsight-ray-prewarm", daemon=True).start()
 
-    async def set_ranks(self, actor_names: list[str], engine: Any = None,
+    async def set_ranks(self, ranks: list[ActorRecord], engine: Any = None,
                         engine_record: ActorRecord | None = None) -> None:
         """Rank actors in rank order (rank = pp * tp_size + tp): the merge order; and the engine to watch."""
-        self.ranks = [ray.get_actor(n, namespace=NAMESPACE) for n in actor_names]
-        self.rank_names = list(actor_names)
+        self.ranks = [ray.get_actor(r.name, namespace=NAMESPACE) for r in ranks]
+        self.rank_names = [r.name for r in ranks]
+        self.rank_records = list(ranks)
+        self.engine_record = engine_record
         if engine is not None and self._watcher is None:
             self._watcher = asyncio.ensure_future(
                 every(WATCH_PERIOD_S, lambda: self._engine_gone(engine, engine_record), f"{self.name} engine watch"))
@@ -153,13 +162,33 @@ class MergeActor:
         failure = None
         taken = await asyncio.gather(*(r.take_payloads.remote(request_ids) for r in self.ranks), return_exceptions=True)
         for name, result in zip(self.rank_names, taken):
-            if isinstance(result, BaseException):  # a rank died between collect and take
-                failure = failure or EngineDeadError(engine_dead(
+            if isinstance(result, BaseException) and failure is None:  # a rank died between collect and take
+                failure = EngineDeadError(await self._death_message(
                     f"rank actor {name} could not hand over its saves ({type(result).__name__}: {result})"))
         if failure is None:
             per_rank = list(taken)
         self.book.arrive(reports, per_rank, failure)
         metrics.observe("nnsight_collect_seconds", time.perf_counter() - began, stage="merge")
+
+    async def _death_message(self, what: str) -> str:
+        """The deployment's one death message, for a failure seen here first.
+
+        The rank that failed to hand over is often not the one that died (vLLM
+        stops the other ranks when one dies), and the engine actor, which
+        watches every actor and vLLM's engine-core process, declares the death
+        to every merge actor within a second or two (``fail``). So wait for
+        that word; if it does not come in time, name the first actor the GCS
+        saw die, as the engine would.
+        """
+        deadline = time.monotonic() + DECLARED_WAIT_S
+        while self.book.dead is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.book.dead is not None:
+            return self.book.dead
+        loop = asyncio.get_running_loop()
+        records = [*self.rank_records, *([self.engine_record] if self.engine_record else [])]
+        states = await loop.run_in_executor(None, lambda: read_states(records, gcs_actor_entry))
+        return dead_message(states, await loop.run_in_executor(None, alive_nodes)) or engine_dead(what)
 
     async def outputs(self, group: str, size: int) -> list[Any]:
         """The group's ``RequestOutput``s, saves attached (raises the group's error)."""
@@ -186,9 +215,6 @@ class MergeActor:
 
         return Packed(trace_saves(state.ordered(), presaved))
 
-    async def ping(self) -> bool:
-        return True
-
     async def stats(self) -> dict[str, Any]:
         return self.book.stats()
 
@@ -210,7 +236,7 @@ class EngineActor:
 
         from . import platform
         from .engine import EngineCore
-        from .options import configure_engine_kwargs
+        from .ray_executor import engine_kwargs_with
 
         VLLM._require_v1_model_runner()
         kwargs = platform.engine_defaults(self.spec["engine_kwargs"])
@@ -218,8 +244,7 @@ class EngineActor:
         # one forward and every token runs a forward pass.
         kwargs.setdefault("enable_chunked_prefill", False)
         kwargs.setdefault("enable_prefix_caching", False)
-        kwargs.update(distributed_executor_backend="ray", **self.spec["placement"])
-        kwargs = configure_engine_kwargs(kwargs)
+        kwargs = engine_kwargs_with(PlacementPlan.model_validate(self.spec["placement"]), kwargs)
         began = time.monotonic()
         # The rank placement group is deploy's (launch reserved it): if this
         # fails, wait_started removes it by name, and nothing here does.
@@ -238,7 +263,7 @@ class EngineActor:
             ranks=rank_records(self.topology))
         names = [r.name for r in self.records.ranks]
         me = context.current_actor
-        await asyncio.gather(*(m.set_ranks.remote(names, me, self.records.engine) for m in self.merges))
+        await asyncio.gather(*(m.set_ranks.remote(self.records.ranks, me, self.records.engine) for m in self.merges))
         logger.info("engine %s: imports %.1f s, vLLM engine %.1f s, describe %.1f s, merges %.1f s",
                     self.spec["name"], began - self.started, vllm_up - began, described - vllm_up,
                     time.monotonic() - described)
@@ -294,13 +319,16 @@ class EngineActor:
         states = await loop.run_in_executor(None, self._survey)
         return diagnose(states, await loop.run_in_executor(None, alive_nodes), self._core_process())
 
+    def _core_processes(self) -> list[Any]:
+        """vLLM's engine-core processes (``multiprocessing`` handles); none before the engine is up."""
+        try:
+            return list(self.core.llm.engine_core.resources.engine_manager.processes)
+        except AttributeError:
+            return []
+
     def _core_process(self) -> str | None:
         """``engine core process pid P exited with code C`` if vLLM's engine-core process has ended."""
-        try:
-            processes = self.core.llm.engine_core.resources.engine_manager.processes
-        except AttributeError:
-            return None
-        ended = [p for p in processes if p.exitcode is not None]
+        ended = [p for p in self._core_processes() if p.exitcode is not None]
         if not ended:
             return None
         return "; ".join(f"vLLM's engine core process (pid {p.pid}) of {self.records.engine.describe()} "
@@ -356,7 +384,7 @@ class EngineActor:
         states = await asyncio.get_running_loop().run_in_executor(None, self._survey)
         return {"alive": core.dead is None, "error": None if core.dead is None else str(core.dead),
                 "actors": as_dicts(states), "uptime_s": time.monotonic() - self.started,
-                "collect": dict(core.collect_stats)}
+                "collect": dict(core.collect_stats), "core_pids": [p.pid for p in self._core_processes()]}
 
     async def shutdown(self) -> None:
         # The executor removes the rank placement group; if vLLM stopped its
@@ -366,14 +394,6 @@ class EngineActor:
             watcher.cancel()
         if self.core is not None:
             self.core.llm.shutdown()
-
-
-def deploy(name: str, model: str, engine_kwargs: dict[str, Any], placement: RankPlacement,
-           num_merge_actors: int = 1, detached: bool = False, start_timeout_s: float = 600.0,
-           engine_actor_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Create the merge and engine actors and wait for the engine to come up (``launch`` + ``wait_started``)."""
-    return wait_started(launch(name, model, engine_kwargs, placement, num_merge_actors=num_merge_actors,
-                               detached=detached, engine_actor_options=engine_actor_options), start_timeout_s)
 
 
 def eager_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -398,7 +418,7 @@ def eager_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
 def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: RankPlacement,
            num_merge_actors: int = 1, detached: bool = False,
            engine_actor_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Reserve the ranks' placement group, create the merge and engine actors, start the engine; don't wait.
+    """Plan the ranks' placement (reserving their group), create the merge and engine actors, start the engine; don't wait.
 
     Returns the deployment's handles with the pending start; ``wait_started``
     waits for it (and cleans up if it failed). Meanwhile the caller can build
@@ -429,7 +449,7 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
     # with no deployment left (a detached one whose actors were killed) is reclaimed.
     if placement.placement_group_id is None and remove_named_placement_groups(placement_group_name(name)):
         logger.warning("deployment %s: removed a rank placement group its previous deployment left", name)
-    placement = reserve_placement_group(placement, engine_kwargs, detached=detached)
+    plan = plan_placement(placement, world_size(engine_kwargs), detached=detached)
     runtime_env = {"env_vars": forwarded_env()}
     merges = [
         ray.remote(MergeActor).options(name=n, namespace=NAMESPACE, lifetime=lifetime, num_cpus=0,
@@ -437,7 +457,7 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
         for n in merge_names
     ]
     spec = {"name": name, "model": model, "engine_kwargs": engine_kwargs,
-            "placement": placement.model_dump(exclude_none=True), "merge_names": merge_names,
+            "placement": plan.as_config(), "merge_names": merge_names,
             "detached": detached}
     options = {"num_cpus": 0, "runtime_env": runtime_env, "max_concurrency": 10_000,
                **(engine_actor_options or {})}
@@ -457,10 +477,10 @@ def wait_started(handles: dict[str, Any], timeout_s: float = 600.0) -> dict[str,
     except BaseException as error:
         for actor in [handles["engine"], *handles["merges"]]:
             ray.kill(actor)
-        if handles["spec"]["placement"].get("owns_placement_group"):
+        if PlacementPlan.model_validate(handles["spec"]["placement"]).owns_placement_group:
             remove_named_placement_groups(placement_group_name(handles["spec"]["name"]))
-        if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
-            raise error.cause from None
+        if isinstance(error, ray.exceptions.RayTaskError):
+            raise cause(error) from None
         raise
     return handles
 

@@ -1,9 +1,19 @@
-"""Validated options for placing an engine's ranks on a Ray cluster.
+"""Where an engine's ranks run: the user's `RankPlacement`, and the `PlacementPlan` built from it once.
 
-They travel from the user's call (``LocalVLLM(...)``, ``RayVLLM(...)``, a batch
-config) to the executor, which vLLM builds inside its engine-core process from
-the ``VllmConfig`` alone. They therefore ride ``VllmConfig.additional_config``
-(a plain dict vLLM carries everywhere) under one key, as JSON-able values.
+The shape is ray.llm's (user config -> derived config). `RankPlacement` is
+what a caller says (``LocalVLLM(...)`` / ``RayVLLM(...)`` keywords, a batch
+config's ``engine`` section, Serve's ``build_app`` arguments): frozen,
+validated where it enters. `plan_placement` turns it, once, in the process
+that launches the engine, into a `PlacementPlan`: the device resolved, the
+cluster's address, the world size and its bundles, and the placement group
+reserved (or the caller's, checked). The plan is the only thing that rides
+``VllmConfig.additional_config`` (a plain dict vLLM carries everywhere) to
+the executor, which vLLM builds inside its engine-core process from the
+``VllmConfig`` alone, and which only reads it.
+
+No import of the executor here: the executor module (``ray_executor``)
+imports this one and sets itself as vLLM's backend
+(``ray_executor.configure_engine_kwargs``).
 """
 
 from __future__ import annotations
@@ -22,9 +32,9 @@ PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
 class RankPlacement(BaseModel):
-    """Where and how each tensor/pipeline-parallel rank actor runs."""
+    """Where and how each tensor/pipeline-parallel rank actor runs (what the user asks for)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     placement_strategy: PlacementStrategy = Field(
         "PACK", description="Ray placement-group strategy for the rank bundles."
@@ -48,17 +58,69 @@ class RankPlacement(BaseModel):
     ray_address: str | None = Field(
         None, description="GCS address the engine-core process joins; defaults to the caller's cluster."
     )
-    owns_placement_group: bool = Field(
-        False, description="Internal: the executor removes the placement group at shutdown (we created it)."
-    )
     cpu_binding: str = Field(
         "auto",
         description="CPU platform: 'auto' splits each host's cores among its ranks, 'nobind' leaves threads alone, "
         "or an explicit per-rank list like '0|1' (vLLM's VLLM_CPU_OMP_THREADS_BIND syntax).",
     )
 
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "RankPlacement":
+        """From the caller's keywords (`RAY_OPTION_NAMES`): a ``placement_group`` object becomes its hex id."""
+        options = dict(options)
+        pg = options.pop("placement_group", None)
+        if pg is not None:
+            options["placement_group_id"] = pg.id.hex()
+        return cls(**options)
 
+    def bundles(self, world_size: int) -> list[dict[str, float]]:
+        """One bundle per rank: ``cpus_per_rank`` CPUs, plus ``gpus_per_rank`` of ``gpu_resource`` on 'gpu'."""
+        bundle: dict[str, float] = {"CPU": self.cpus_per_rank}
+        if self.device == "gpu":
+            bundle[self.gpu_resource] = self.gpus_per_rank
+        return [dict(bundle) for _ in range(world_size)]
+
+
+#: The keywords of ``LocalVLLM`` / ``RayVLLM`` that are placement, not vLLM's.
 RAY_OPTION_NAMES = frozenset(RankPlacement.model_fields) | {"placement_group"}
+
+
+class PlacementPlan(BaseModel):
+    """One engine's placement as decided at launch; what the executor reads (internal).
+
+    Attributes:
+        placement: The user's settings, with ``device`` resolved to 'cpu' or
+            'gpu' and ``ray_address`` to the cluster's GCS address.
+        world_size: ``tensor_parallel_size * pipeline_parallel_size``.
+        placement_group_id: Hex id of the ranks' group (the caller's, or reserved here).
+        owns_placement_group: Reserved by `plan_placement`: whoever stops the
+            engine removes it.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    placement: RankPlacement
+    world_size: int = Field(ge=1)
+    placement_group_id: str
+    owns_placement_group: bool = False
+
+    @property
+    def bundles(self) -> list[dict[str, float]]:
+        return self.placement.bundles(self.world_size)
+
+    def as_config(self) -> dict[str, Any]:
+        """JSON-able, for ``additional_config``."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_engine_kwargs(cls, engine_kwargs: dict[str, Any]) -> "PlacementPlan | None":
+        """The plan riding ``engine_kwargs["additional_config"]`` (or a ``VllmConfig``'s), if any."""
+        found = (engine_kwargs.get("additional_config") or {}).get(ADDITIONAL_CONFIG_KEY)
+        return None if not found else cls.model_validate(found)
+
+
+def world_size(engine_kwargs: dict[str, Any]) -> int:
+    return int(engine_kwargs.get("tensor_parallel_size", 1)) * int(engine_kwargs.get("pipeline_parallel_size", 1))
 
 
 def split_ray_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -93,71 +155,34 @@ def connect_ray(address: str | None = None) -> str:
 
 
 def resolve_device(placement: RankPlacement) -> RankPlacement:
-    """``device="auto"``: 'gpu' when the cluster has any ``gpu_resource``, else 'cpu' (in place)."""
-    if placement.device == "auto":
-        import ray
-
-        placement.device = "gpu" if ray.cluster_resources().get(placement.gpu_resource, 0) > 0 else "cpu"
-    return placement
-
-
-def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Turn ``distributed_executor_backend="ray"`` plus our options into vLLM engine kwargs.
-
-    Reserves the ranks' placement group unless the caller gave one; release it
-    with ``release_placement_group`` if the engine then fails to start.
-    """
-    engine, ray_options = split_ray_options(kwargs)
-    if engine.get("distributed_executor_backend") != "ray":
-        if ray_options:
-            raise ValueError(
-                f"{sorted(ray_options)} only apply with distributed_executor_backend='ray'; "
-                "add it, or drop these options."
-            )
-        return engine
-    from .ray_executor import NNsightRayExecutor
-
-    pg = ray_options.pop("placement_group", None)
-    if pg is not None:
-        ray_options["placement_group_id"] = pg.id.hex()
-    placement = RankPlacement(**ray_options)
-    if placement.ray_address is None:
-        placement.ray_address = connect_ray()
-    resolve_device(placement)
-    # Reserved here, in the caller, so an unsatisfiable layout fails fast with a
-    # message that reaches the user, instead of inside vLLM's engine core, whose
-    # start-up failure only says "see root cause above".
-    placement = reserve_placement_group(placement, engine)
-    # The class, not its import path: vLLM reads `supports_pp` off it before it
-    # would resolve a path, and refuses pipeline parallelism otherwise.
-    engine["distributed_executor_backend"] = NNsightRayExecutor
-    engine["additional_config"] = {
-        **(engine.get("additional_config") or {}),
-        ADDITIONAL_CONFIG_KEY: placement.model_dump(),
-    }
-    return engine
-
-
-def reserve_placement_group(placement: RankPlacement, engine_kwargs: dict[str, Any],
-                            detached: bool = False) -> RankPlacement:
-    """``placement`` holding its own reserved group (``owns_placement_group``), unless it names one already.
-
-    The group lives as long as its deployment: ``detached`` only for a detached
-    deployment (removed at its shutdown); otherwise Ray removes it with the
-    process (driver or actor) that reserved it, even one killed outright.
-    """
-    if placement.placement_group_id is not None:
+    """``device="auto"``: 'gpu' when the cluster has any ``gpu_resource``, else 'cpu' (a copy)."""
+    if placement.device != "auto":
         return placement
-    world = int(engine_kwargs.get("tensor_parallel_size", 1)) * int(engine_kwargs.get("pipeline_parallel_size", 1))
-    pg, _ = acquire_placement_group(world, resolve_device(placement), detached=detached)
-    return placement.model_copy(update={"placement_group_id": pg.id.hex(), "owns_placement_group": True})
+    import ray
+
+    device = "gpu" if ray.cluster_resources().get(placement.gpu_resource, 0) > 0 else "cpu"
+    return placement.model_copy(update={"device": device})
 
 
-def _bundles(world_size: int, placement: RankPlacement) -> list[dict[str, float]]:
-    bundle: dict[str, float] = {"CPU": placement.cpus_per_rank}
-    if placement.device == "gpu":
-        bundle[placement.gpu_resource] = placement.gpus_per_rank
-    return [dict(bundle) for _ in range(world_size)]
+def plan_placement(placement: RankPlacement, world_size: int, detached: bool = False) -> PlacementPlan:
+    """Decide ``placement`` for ``world_size`` ranks, once: connect, resolve the device, reserve the group.
+
+    Reserved here, in the launching process, so an unsatisfiable layout fails
+    fast with a message that reaches the user, instead of inside vLLM's engine
+    core, whose start-up failure only says "see root cause above". The group
+    lives as long as its deployment: ``detached`` only for a detached
+    deployment (removed at its shutdown); otherwise Ray removes it with the
+    process (driver or actor) that reserved it, even one killed outright. A
+    group the caller named is checked (ready, enough bundles), not reserved.
+    """
+    if placement.ray_address is None:
+        placement = placement.model_copy(update={"ray_address": connect_ray()})
+    else:
+        connect_ray(placement.ray_address)
+    placement = resolve_device(placement)
+    pg, owned = acquire_placement_group(world_size, placement, detached=detached)
+    return PlacementPlan(placement=placement, world_size=world_size, placement_group_id=pg.id.hex(),
+                         owns_placement_group=owned)
 
 
 def acquire_placement_group(world_size: int, placement: RankPlacement, detached: bool = False):
@@ -172,15 +197,8 @@ def acquire_placement_group(world_size: int, placement: RankPlacement, detached:
     from ..errors import PlacementError
 
     if placement.placement_group_id:
-        pg = placement_group_by_id(placement.placement_group_id)
-        ray.get(pg.ready(), timeout=placement.placement_timeout_s)
-        if len(pg.bundle_specs) < world_size:
-            raise PlacementError(
-                f"placement group {placement.placement_group_id} has {len(pg.bundle_specs)} bundles, "
-                f"but tensor_parallel_size x pipeline_parallel_size = {world_size} ranks need one each."
-            )
-        return pg, False
-    bundles = _bundles(world_size, placement)
+        return existing_placement_group(placement.placement_group_id, world_size, placement.placement_timeout_s), False
+    bundles = placement.bundles(world_size)
     # Detached only for a detached deployment, which outlives the job that
     # reserved it (deploy.shutdown removes it); any other is Ray's to remove
     # with its creator, so a killed driver leaves nothing reserved.
@@ -197,6 +215,22 @@ def acquire_placement_group(world_size: int, placement: RankPlacement, detached:
             "use a looser strategy (PACK/SPREAD), add nodes, or raise placement_timeout_s. Check `ray status`."
         )
     return pg, True
+
+
+def existing_placement_group(hex_id: str, world_size: int, timeout_s: float):
+    """The placement group ``hex_id``, once ready, checked to hold a bundle per rank."""
+    import ray
+
+    from ..errors import PlacementError
+
+    pg = placement_group_by_id(hex_id)
+    ray.get(pg.ready(), timeout=timeout_s)
+    if len(pg.bundle_specs) < world_size:
+        raise PlacementError(
+            f"placement group {hex_id} has {len(pg.bundle_specs)} bundles, "
+            f"but tensor_parallel_size x pipeline_parallel_size = {world_size} ranks need one each."
+        )
+    return pg
 
 
 def placement_group_by_id(hex_id: str):
@@ -235,12 +269,12 @@ def remove_named_placement_groups(name: str) -> int:
 
 def release_placement_group(engine_kwargs: dict[str, Any]) -> None:
     """Remove the placement group ``configure_engine_kwargs`` reserved, if it did."""
-    placement = (engine_kwargs.get("additional_config") or {}).get(ADDITIONAL_CONFIG_KEY)
-    if not placement or not placement.get("owns_placement_group") or not placement.get("placement_group_id"):
+    plan = PlacementPlan.from_engine_kwargs(engine_kwargs)
+    if plan is None or not plan.owns_placement_group:
         return
     from ray.util.placement_group import remove_placement_group
 
     try:
-        remove_placement_group(placement_group_by_id(placement["placement_group_id"]))
+        remove_placement_group(placement_group_by_id(plan.placement_group_id))
     except Exception:
         pass

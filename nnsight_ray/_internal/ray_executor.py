@@ -25,6 +25,10 @@ their (pp, tp) coordinates nor lets the user pick the placement strategy.
 
 Everything after start-up (message queues, busy loops, ``collective_rpc``,
 the death monitor, shutdown) is vLLM's own code path.
+
+The placement is decided before vLLM starts (``options.plan_placement``, in
+the launching process); `configure_engine_kwargs` puts that plan and this
+executor into vLLM's engine kwargs, and the executor only reads the plan.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from vllm.v1.executor.ray_env_utils import get_driver_env_vars
 from vllm.v1.executor.ray_executor_v2 import RayExecutorV2, RayWorkerHandle, RayWorkerProc
 from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
 
-from .options import ADDITIONAL_CONFIG_KEY, NAMESPACE, RankPlacement, acquire_placement_group
+from .options import (ADDITIONAL_CONFIG_KEY, NAMESPACE, PlacementPlan, RankPlacement, existing_placement_group,
+                      plan_placement, split_ray_options, world_size)
 from .topology import RankId, cpu_binding_plan
 
 logger = logging.getLogger(__name__)
@@ -79,9 +84,6 @@ class NNsightRankProc(RayWorkerProc):
 
         return stash_take(request_ids)
 
-    def ping(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
     def bind_cpus(self, cpus: list[int]) -> None:
         """Pin every thread of this rank's process to ``cpus`` before the worker starts.
 
@@ -95,6 +97,35 @@ class NNsightRankProc(RayWorkerProc):
                 os.sched_setaffinity(int(tid), cpus)
             except OSError:  # the thread ended meanwhile
                 pass
+
+
+def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Turn ``distributed_executor_backend="ray"`` plus our options into vLLM engine kwargs.
+
+    The placement is planned here (``options.plan_placement``: the ranks'
+    placement group reserved unless the caller gave one); release it with
+    ``options.release_placement_group`` if the engine then fails to start.
+    """
+    engine, ray_options = split_ray_options(kwargs)
+    if engine.get("distributed_executor_backend") != "ray":
+        if ray_options:
+            raise ValueError(
+                f"{sorted(ray_options)} only apply with distributed_executor_backend='ray'; "
+                "add it, or drop these options."
+            )
+        return engine
+    plan = plan_placement(RankPlacement.from_options(ray_options), world_size(engine))
+    return engine_kwargs_with(plan, engine)
+
+
+def engine_kwargs_with(plan: PlacementPlan, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``engine_kwargs`` running on this executor with ``plan`` (the only placement vLLM carries)."""
+    engine = dict(engine_kwargs)
+    # The class, not its import path: vLLM reads `supports_pp` off it before it
+    # would resolve a path, and refuses pipeline parallelism otherwise.
+    engine["distributed_executor_backend"] = NNsightRayExecutor
+    engine["additional_config"] = {**(engine.get("additional_config") or {}), ADDITIONAL_CONFIG_KEY: plan.as_config()}
+    return engine
 
 
 def _connect(placement: RankPlacement) -> None:
@@ -145,15 +176,19 @@ class NNsightRayExecutor(RayExecutorV2):
         self.shutdown_lock = threading.Lock()
         self._owned_pg: PlacementGroup | None = None
 
-        placement = RankPlacement(**(self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}))
+        plan = PlacementPlan.from_engine_kwargs({"additional_config": self.vllm_config.additional_config})
+        if plan is None:
+            raise RuntimeError("NNsightRayExecutor runs only through nnsight_ray (LocalVLLM with "
+                               "distributed_executor_backend='ray', or RayVLLM), which plans its placement")
+        placement = plan.placement
         _connect(placement)
         tp_size, pp_size, pcp_size = self._get_parallel_sizes()
         if pcp_size != 1:
             raise NotImplementedError("nnsight_ray's Ray executor does not support prefill context parallelism")
         engine = placement.engine_name or f"engine-{self.vllm_config.instance_id}"
 
-        pg, owned = acquire_placement_group(self.world_size, placement)
-        if owned or placement.owns_placement_group:
+        pg = existing_placement_group(plan.placement_group_id, self.world_size, placement.placement_timeout_s)
+        if plan.owns_placement_group:
             self._owned_pg = pg
         self.parallel_config.placement_group = pg
         bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
@@ -186,7 +221,7 @@ class NNsightRayExecutor(RayExecutorV2):
                     ),
                     runtime_env=runtime_env,
                     # One thread for vLLM's busy loop (`run`), others for the
-                    # merge actor's `take_payloads` and health pings.
+                    # merge actors' `take_payloads` (one per merge shard at a time).
                     max_concurrency=4,
                     **resources,
                 )

@@ -36,6 +36,7 @@ from typing import Any, Literal, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .._internal.options import PlacementStrategy, RankPlacement
 from .errors import BatchConfigError
 
 __all__ = [
@@ -51,7 +52,7 @@ __all__ = [
     "load_config",
 ]
 
-PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+_PLACEMENT_FIELDS = ("placement_strategy", "cpus_per_rank", "gpus_per_rank")
 PROMPT_SUFFIXES = (".jsonl", ".txt", ".parquet")
 # Engine arguments the config's own keys own; in engine_kwargs they would be
 # silently overridden or contradict the layout.
@@ -84,15 +85,21 @@ class EngineConfig(_Section):
 
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks splitting each layer.")
     pipeline_parallel_size: int = Field(1, ge=1, description="Ranks splitting the layer stack.")
-    placement_strategy: PlacementStrategy = Field("PACK", description="Ray placement-group strategy of the rank bundles.")
-    cpus_per_rank: float = Field(1.0, ge=0, description="CPUs each rank's bundle reserves.")
-    gpus_per_rank: float = Field(1.0, ge=0, description="GPUs each rank's bundle reserves (GPU platforms only).")
+    # RankPlacement's own fields (one definition: type, default, bounds, description).
+    placement_strategy: PlacementStrategy = RankPlacement.model_fields["placement_strategy"]
+    cpus_per_rank: float = RankPlacement.model_fields["cpus_per_rank"]
+    gpus_per_rank: float = RankPlacement.model_fields["gpus_per_rank"]
     replicas: int = Field(1, ge=1, description="Independent engines splitting the prompts.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments, as they are.")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def placement(self) -> RankPlacement:
+        """Where each replica's ranks run, as ``RayVLLM`` takes it."""
+        return RankPlacement(**{name: getattr(self, name) for name in _PLACEMENT_FIELDS})
 
     @field_validator("engine_kwargs")
     @classmethod

@@ -268,8 +268,7 @@ def _start_replicas(indices: Sequence[int], prepared: Prepared, tag: str, genera
     started = time.monotonic()
     models = RayVLLM.start_many(
         prepared.model_path, {name: {} for name in names}, **engine.engine_kwargs,
-        placement_strategy=engine.placement_strategy, cpus_per_rank=engine.cpus_per_rank,
-        gpus_per_rank=engine.gpus_per_rank, tensor_parallel_size=engine.tensor_parallel_size,
+        **engine.placement.model_dump(exclude_defaults=True), tensor_parallel_size=engine.tensor_parallel_size,
         pipeline_parallel_size=engine.pipeline_parallel_size,
     )
     start_s = time.monotonic() - started
@@ -291,10 +290,10 @@ def _classify(error: BaseException) -> str:
     """``"lost"`` when the engine (not the request) failed, else ``"request"``."""
     import ray
 
-    from ..errors import EngineDeadError
+    from ..errors import NNsightRayError
 
-    if isinstance(error, EngineDeadError):
-        return "lost"
+    if isinstance(error, NNsightRayError) and not error.recoverable:
+        return "lost"  # the engine is gone (EngineDeadError), not just this request
     if isinstance(error, ray.exceptions.RayError) and not isinstance(error, ray.exceptions.RayTaskError):
         return "lost"  # object lost, owner died, actor died
     return "request"
@@ -490,7 +489,7 @@ class BatchRunner:
         """Resolved refs with their result (``{"saves", "error"}``) or the exception."""
         import ray
 
-        from ..ray_vllm import ray_get
+        from .._internal.ray_errors import get as ray_get
 
         refs = list(in_flight)
         ready, _ = ray.wait(refs, num_returns=1, timeout=1.0)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from .._internal.options import PlacementStrategy, RankPlacement
 
 __all__ = ["API_KEY_ENV", "DEFAULT_MAX_BODY_BYTES", "ServeArgs", "ServeArgsError"]
 
@@ -38,9 +40,7 @@ class ServeArgs(BaseModel):
     model: str = Field(..., min_length=1, description="Checkpoint path or id, readable on every node.")
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks splitting each layer, per replica.")
     pipeline_parallel_size: int = Field(1, ge=1, description="Ranks splitting the layer stack, per replica.")
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="Ray placement-group strategy of each replica's rank bundles."
-    )
+    placement_strategy: PlacementStrategy = RankPlacement.model_fields["placement_strategy"]
     api_key: SecretStr | None = Field(
         None,
         description=f"Required on every route but /health (header ndif-api-key, or Authorization: Bearer). "

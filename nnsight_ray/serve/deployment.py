@@ -56,14 +56,9 @@ HEALTH_TIMEOUT_S = 20.0
 
 def _cause(error: BaseException) -> BaseException:
     """The exception an actor or replica raised, without Ray's wrapping."""
-    import ray
+    from .._internal.ray_errors import cause
 
-    from ..ray_vllm import _unwrap
-
-    cause = _unwrap(error)
-    if isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None:
-        return cause.cause
-    return cause
+    return cause(error)
 
 
 def _engine_is_gone(error: BaseException) -> bool:

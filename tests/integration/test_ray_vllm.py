@@ -339,9 +339,8 @@ def test_a_detached_reservation_stays_until_reclaimed_by_name(ray_cluster, tmp_p
     script.write_text(textwrap.dedent("""
         import sys, time, ray
         ray.init(address=sys.argv[1], namespace="nnsight_ray")
-        from nnsight_ray._internal.options import RankPlacement, reserve_placement_group
-        reserve_placement_group(RankPlacement(engine_name=sys.argv[2], device="cpu"),
-                                {"tensor_parallel_size": 2}, detached=True)
+        from nnsight_ray._internal.options import RankPlacement, plan_placement
+        plan_placement(RankPlacement(engine_name=sys.argv[2], device="cpu"), 2, detached=True)
         print("reserved", flush=True)
         time.sleep(600)
     """))

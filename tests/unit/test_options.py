@@ -1,4 +1,4 @@
-"""Ray placement options: splitting them off vLLM's kwargs and validating them.
+"""Ray placement options: splitting them off vLLM's kwargs, validating them, the plan that rides vLLM's config.
 
 ``configure_engine_kwargs`` is only called without ``distributed_executor_backend="ray"``:
 with it, it connects to Ray, which a unit test must not do (``ray.init`` raises here).
@@ -12,10 +12,11 @@ from pydantic import ValidationError
 from nnsight_ray._internal.options import (
     ADDITIONAL_CONFIG_KEY,
     RAY_OPTION_NAMES,
+    PlacementPlan,
     RankPlacement,
-    configure_engine_kwargs,
     split_ray_options,
 )
+from nnsight_ray._internal.ray_executor import configure_engine_kwargs, engine_kwargs_with
 
 
 def test_split_separates_placement_options_from_engine_kwargs():
@@ -94,3 +95,37 @@ def test_configure_refuses_ray_options_without_ray_backend(backend, ray_option):
         kwargs["distributed_executor_backend"] = backend
     with pytest.raises(ValueError, match="distributed_executor_backend='ray'"):
         configure_engine_kwargs(kwargs)
+
+
+def test_placement_is_frozen_and_takes_a_placement_group_object():
+    placement = RankPlacement()
+    with pytest.raises(ValidationError):
+        placement.cpus_per_rank = 2
+    group = type("PG", (), {"id": bytes.fromhex("ab" * 18)})()
+    assert RankPlacement.from_options({"placement_group": group, "cpus_per_rank": 2}) == RankPlacement(
+        placement_group_id="ab" * 18, cpus_per_rank=2)
+
+
+def test_the_plan_is_the_only_placement_on_vllms_config():
+    placement = RankPlacement(device="cpu", cpus_per_rank=2, engine_name="e", ray_address="127.0.0.1:6379")
+    plan = PlacementPlan(placement=placement, world_size=3, placement_group_id="ab" * 18, owns_placement_group=True)
+    assert plan.bundles == [{"CPU": 2.0}] * 3
+    kwargs = engine_kwargs_with(plan, {"dtype": "float32", "additional_config": {"other": 1}})
+    assert kwargs["distributed_executor_backend"].__name__ == "NNsightRayExecutor"
+    assert kwargs["additional_config"]["other"] == 1
+    import json
+
+    carried = json.loads(json.dumps(kwargs["additional_config"]))  # JSON-able, as vLLM carries it
+    assert PlacementPlan.from_engine_kwargs({"additional_config": carried}) == plan
+    assert PlacementPlan.from_engine_kwargs({"dtype": "float32"}) is None
+    with pytest.raises(ValidationError):
+        plan.world_size = 4
+
+
+def test_options_does_not_import_the_executor():
+    import subprocess
+    import sys
+
+    code = ("import sys, nnsight_ray._internal.options, nnsight_ray.batch.config, nnsight_ray.serve.config; "
+            "sys.exit('nnsight_ray._internal.ray_executor' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

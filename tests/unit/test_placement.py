@@ -5,25 +5,24 @@ from __future__ import annotations
 import pytest
 
 from nnsight_ray._internal.options import RankPlacement
-from nnsight_ray._internal.options import _bundles
 from nnsight_ray._internal.ray_executor import _actor_resources
 
 
 def test_cpu_bundles_reserve_cpus_only():
     placement = RankPlacement(device="cpu", cpus_per_rank=2)
-    assert _bundles(3, placement) == [{"CPU": 2.0}] * 3
+    assert placement.bundles(3) == [{"CPU": 2.0}] * 3
     assert _actor_resources(placement) == {"num_cpus": 0, "num_gpus": 0}
 
 
 def test_gpu_bundles_reserve_one_accelerator_each():
     placement = RankPlacement(device="gpu", cpus_per_rank=1, gpus_per_rank=1)
-    assert _bundles(2, placement) == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    assert placement.bundles(2) == [{"CPU": 1.0, "GPU": 1.0}] * 2
     assert _actor_resources(placement) == {"num_cpus": 0, "num_gpus": 1.0}
 
 
 def test_other_accelerators_use_their_ray_resource_name():
     placement = RankPlacement(device="gpu", gpu_resource="TPU", gpus_per_rank=1)
-    assert _bundles(1, placement) == [{"CPU": 1.0, "TPU": 1.0}]
+    assert placement.bundles(1) == [{"CPU": 1.0, "TPU": 1.0}]
     assert _actor_resources(placement) == {"num_cpus": 0, "num_gpus": 0, "resources": {"TPU": 1.0}}
 
 
@@ -40,7 +39,7 @@ def test_bad_device_and_strategy_are_refused():
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_every_rank_of_tp_and_pp_layouts_asks_for_one_gpu(tp, pp):
     placement = RankPlacement(device="gpu")
-    bundles = _bundles(tp * pp, placement)
+    bundles = placement.bundles(tp * pp)
     assert bundles == [{"CPU": 1.0, "GPU": 1.0}] * (tp * pp)
     assert _actor_resources(placement)["num_gpus"] == 1.0
 

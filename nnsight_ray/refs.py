@@ -1,0 +1,73 @@
+"""Non-blocking traces on a RayVLLM (``trace(..., blocking=False)``), through nnsight's backend seam.
+
+nnsight's default backend builds a trace's workers, runs the model interleaved
+and pushes the saves into the caller's frame before ``with`` exits. A
+``RayRefBackend`` does the first half the same way (``VLLMTracer.prepare``,
+then nnsight's own ``_attach_mediators``), submits the requests to the
+deployment and returns at once; the merge actor assembles the trace's
+``{name: value}`` with nnsight's ``VLLM._collect`` (``merge.trace_saves``).
+
+* ``tracer.ref``: an ``ObjectRef`` to ``{name: value}``. Pass it to tasks and
+  actors like any ref. When an intervention raised, ``ray.get`` raises Ray's
+  task error, which is an instance of the intervention's exception type.
+* ``tracer.collect(timeout=None)``: the same dict, waited for without ever
+  hanging on a dead deployment (``RemoteEngine.wait``); raises the
+  intervention's own typed error, as a blocking trace does.
+
+The variables saved in the block are not assigned in the caller's frame (there
+is nothing to assign yet): read the values from the dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nnsight.tracing.backend import Backend
+
+from .errors import RequestError
+
+__all__ = ["RayRefBackend", "no_ref"]
+
+
+class RayRefBackend(Backend):
+    """Backend for ``trace(..., blocking=False)`` on a ``RayVLLM``."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.ref: Any = None
+
+    def __call__(self, tracer: Any) -> None:
+        from nnsight.intervention.util import clear_shared_locals
+
+        model = self.model
+        try:
+            _, (prompts, params, loras), forward_kwargs = tracer.prepare(tracer.info.code)
+            mediators = model._attach_mediators(params, **forward_kwargs)
+            presaved: set[str] = set()
+            for mediator in mediators:
+                presaved |= getattr(mediator, "presaved", set())
+            self.ref = model.vllm_entrypoint.trace_ref(prompts, params, loras, presaved)
+        finally:
+            # What nnsight's own execute does on its way out: no worker or
+            # shared store left behind by a trace that never runs here.
+            model.interleaver.cancel()
+            clear_shared_locals()
+        tracer.ref = self.ref
+        tracer.collect = self.collect
+
+    def collect(self, timeout: float | None = None) -> dict[str, Any]:
+        if self.ref is None:
+            raise RequestError("this trace has no result reference yet: it has not exited")
+        return self.model.vllm_entrypoint.wait(self.ref, timeout)
+
+
+def no_ref(tracer: Any) -> Any:
+    """A blocking trace's ``tracer.ref`` / ``tracer.collect()``: there is none; say so."""
+
+    def collect(timeout: float | None = None) -> dict[str, Any]:
+        raise RequestError("this trace was blocking: its values are in the variables it saved, "
+                           "not behind a reference (trace(..., blocking=False) gives one)")
+
+    tracer.ref = None
+    tracer.collect = collect
+    return tracer
