@@ -15,6 +15,8 @@ Examples::
 Engines, one after the other (each shut down before the next starts):
 
 * ``vllm-eager``: plain ``vllm.LLM(enforce_eager=True)`` - the floor nnsight is held to;
+  ``generate`` all prompts at once, ``chunked`` in chunks of ``--invokes`` one
+  after another (the batches a blocking trace of that many invokes runs in);
 * ``vllm-graphs``: plain vLLM with its defaults (CUDA graphs, torch.compile), GPU only;
 * ``local``: ``LocalVLLM`` (nnsight in-process);
 * ``nosnapshot``: ``LocalVLLM`` with the snapshot of saved values off (``NNSIGHT_RAY_SNAPSHOT_SAVES=0``);
@@ -70,13 +72,21 @@ def timed(fn) -> float:
     return time.perf_counter() - began
 
 
-def run_plain(path: str, texts: list[str], tokens: int, engine_kwargs: dict, eager: bool) -> float:
+def run_plain(path: str, texts: list[str], tokens: int, engine_kwargs: dict, eager: bool,
+              invokes: int) -> dict[str, float]:
+    """Seconds for plain ``LLM.generate``: all prompts at once, and in chunks of ``invokes`` one after another.
+
+    The chunked row is the batching a blocking trace of ``invokes`` invokes
+    gets (LocalVLLM runs one trace at a time): the floor for those rows.
+    """
     from vllm import LLM, SamplingParams
 
     llm = LLM(path, enforce_eager=eager, **engine_kwargs)
     sp = SamplingParams(**params(tokens))
     llm.generate(texts[:8], sp, use_tqdm=False)  # warm-up
-    seconds = timed(lambda: llm.generate(texts, sp, use_tqdm=False))
+    seconds = {"generate": timed(lambda: llm.generate(texts, sp, use_tqdm=False)),
+               "chunked": timed(lambda: [llm.generate(texts[i:i + invokes], sp, use_tqdm=False)
+                                         for i in range(0, len(texts), invokes)])}
     llm = None  # noqa: F841  (frees the engine before the next one starts)
     _free()
     return seconds
@@ -193,9 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     starts: dict[str, float] = {}
 
     if "plain" in parts:
-        seconds["vllm-eager"] = {"generate": run_plain(path, texts, args.tokens, engine_kwargs, eager=True)}
+        seconds["vllm-eager"] = run_plain(path, texts, args.tokens, engine_kwargs, True, args.invokes)
         if on_gpu:
-            seconds["vllm-graphs"] = {"generate": run_plain(path, texts, args.tokens, engine_kwargs, eager=False)}
+            seconds["vllm-graphs"] = run_plain(path, texts, args.tokens, engine_kwargs, False, args.invokes)
     # LocalVLLM variants: (row name, environment it runs under, workloads it runs)
     variants = [("local", {}, None),
                 ("local-nosnapshot", {"NNSIGHT_RAY_SNAPSHOT_SAVES": "0"}, ("prefill", "every-step")),

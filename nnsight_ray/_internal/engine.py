@@ -68,6 +68,18 @@ def refusal(exception: BaseException) -> BaseException:
     return RequestError(f"vLLM refused the request: {type(cause).__name__}: {cause}")
 
 
+def final_only(param: Any) -> Any:
+    """``param``, set to ask vLLM for the finished output only.
+
+    In place: the engine actor's own copy (it arrived pickled), never the caller's.
+    """
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    if isinstance(param, SamplingParams):
+        param.output_kind = RequestOutputKind.FINAL_ONLY
+    return param
+
+
 @dataclass
 class _End:
     """The last item of a stream's queue: how its request ended."""
@@ -98,9 +110,15 @@ class EngineCore:
     # -- submit -------------------------------------------------------------
 
     def submit(self, group: str, prompts: list, params: list, loras: list | None = None) -> None:
-        """Start one request per prompt; each reports to the merge actor when done."""
+        """Start one request per prompt; each reports to the merge actor when done.
+
+        Only the finished output is reported, so vLLM is asked for that alone
+        (``FINAL_ONLY``, as ``vllm.LLM.generate`` asks): with its default
+        (every step's cumulative output) this loop would build and drop one
+        output per request per step. Streams (``stream``) keep every step.
+        """
         for index, (prompt, param) in enumerate(zip(prompts, params)):
-            self._start(self._track(group, index), prompt, param, loras[index] if loras else None)
+            self._start(self._track(group, index), prompt, final_only(param), loras[index] if loras else None)
 
     def _track(self, group: str, index: int) -> Report:
         report = Report(group, index, f"{group}-{index}")

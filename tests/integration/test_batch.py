@@ -311,6 +311,47 @@ def test_resume_after_a_killed_run_has_no_duplicates_and_no_gaps(ray_cluster, ra
         check_against_local(local_llama, row, config["saves"])
 
 
+def test_a_killed_driver_that_started_its_engine_leaves_no_actor_and_no_reservation(ray_cluster, model_dir,
+                                                                                     tmp_path):
+    """SIGKILL of a batch driver that deployed its own engine: Ray takes its actors and rank group with it."""
+    import ray
+
+    prompts = [f"orphan {i}" for i in range(400)]
+    config = make_config(tmp_path, model_dir, prompts, output={"dir": str(tmp_path / "out"), "shard_size": 4},
+                         runner={"max_in_flight": 1, "prompts_per_trace": 1, "progress_interval_s": 1},
+                         sampling={"max_tokens": 8})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "nnsight_ray.batch", "--config", str(path), "--address", ray_cluster.address]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = tmp_path / "out"
+    log = tmp_path / "driver.log"
+    with open(log, "wb") as handle:
+        driver = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not list(out.glob("shard-*.parquet")):  # its engine is up and serving
+        assert driver.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no shard written in 300 s"
+        time.sleep(0.2)
+    tag = json.loads((out / "manifest.json").read_text())["runs"][-1]["id"]
+    prefix = f"batch-{tag}-"
+
+    def held():
+        actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+        groups = [pg["name"] for pg in ray.util.placement_group_table().values()
+                  if (pg.get("name") or "").startswith(prefix) and pg["state"] != "REMOVED"]
+        return actors, groups
+
+    actors, groups = held()
+    assert actors and groups, f"the driver's engine is not where it was looked for: {actors}, {groups}"
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while any(held()):
+        assert time.monotonic() < deadline, f"left behind 60 s after the driver died: {held()}"
+        time.sleep(1)
+
+
 # --------------------------------------------------------------------------- bad inputs
 
 

@@ -22,6 +22,7 @@ more than one rank of RayVLLM; the pipeline traces on every pipelined layout.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -597,13 +598,19 @@ def nothing_left(name: str) -> None:
     assert not groups, groups
 
 
-def kill_and_check(model, name: str, actor_name: str, *expected: str) -> None:
-    """Kill one actor of deployment ``name`` with every kind of waiter in flight; all fail naming it, later calls too."""
+def kill_and_check(model, name: str, actor_name: str, *expected: str, kill=None) -> None:
+    """Kill one actor of deployment ``name`` with every kind of waiter in flight; all fail naming it, later calls too.
+
+    ``kill``: another way to kill (then ``actor_name`` is one that dies of it).
+    """
     from nnsight_ray import RayVLLM
 
     streamer = RayVLLM.connect(name, mode="async")
     waiters = start_waiters(model, streamer)
-    ray.kill(ray.get_actor(actor_name, namespace="nnsight_ray"))
+    if kill is None:
+        ray.kill(ray.get_actor(actor_name, namespace="nnsight_ray"))
+    else:
+        kill()
     message = assert_every_waiter_fails(waiters, time.monotonic(), *expected)
     assert_dead_everywhere(model, message, actor_name)
 
@@ -636,9 +643,11 @@ def test_killed_rank_or_merge_fails_every_waiter_and_engine_rebuilds(engine, mod
 
 
 @pytest.mark.parametrize("engine", ["tp2pp2"], indirect=True, scope="module")
-def test_killed_tp_rank_then_engine_actor_fail_every_waiter(engine, model_dir):
-    """A tensor-parallel rank dies (the issue's TP=2 case), then, on the rebuilt deployment, the engine
-    actor: the merge actor's watch fails every waiter, naming it; shutdown cleans up both times.
+def test_killed_tp_rank_engine_actor_or_core_process_fail_every_waiter(engine, model_dir):
+    """A tensor-parallel rank dies (the issue's TP=2 case); on a rebuilt deployment, the engine actor
+    (the merge actor's watch fails every waiter, naming it); on another, vLLM's engine-core process
+    (SIGKILL: the ranks it owns die with it, and the message names the process, not a rank).
+    Shutdown cleans up every time.
 
     The last test on ``tp2pp2``; the module fixture's teardown then checks
     that no placement group of ours is left.
@@ -655,6 +664,16 @@ def test_killed_tp_rank_then_engine_actor_fail_every_waiter(engine, model_dir):
     rebuilt = RayVLLM(model_dir, name=name, **LAYOUTS[name], **ENGINE_KWARGS)
     try:
         kill_and_check(rebuilt, name, f"{name}.engine", f"engine actor {name}.engine on node ")
+    finally:
+        rebuilt.shutdown()
+    nothing_left(name)
+
+    rebuilt = RayVLLM(model_dir, name=name, **LAYOUTS[name], **ENGINE_KWARGS)
+    try:
+        (pid,) = rebuilt.health()["core_pids"]
+        kill_and_check(rebuilt, name, f"{name}.pp0.tp0", f"vLLM's engine core process (pid {pid})",
+                       f"engine actor {name}.engine", "exited with code -9",
+                       kill=lambda: os.kill(pid, signal.SIGKILL))
     finally:
         rebuilt.shutdown()
     nothing_left(name)

@@ -387,3 +387,30 @@ def test_serve_check_health_keeps_failing_once_the_engine_is_dead():
         with pytest.raises(RuntimeError, match=r"rank pp1\.tp0"):
             asyncio.run(replica.check_health())
     assert replica.state == "dead"
+
+
+def test_submitted_requests_ask_vllm_for_the_final_output_only_streams_for_every_step():
+    """A submitted request reports only its finished output: vLLM is asked for that alone, as ``LLM.generate`` asks."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    seen: dict[str, object] = {}
+
+    async def scenario():
+        h = Harness()
+        generate = h.llm.generate
+
+        def recording(prompt, param, request_id, lora_request=None):
+            seen[request_id] = param.output_kind
+            return generate(prompt, param, request_id, lora_request)
+
+        h.llm.generate = recording
+        h.core.submit("g", ["ok", "ok"], [SamplingParams(max_tokens=2)] * 2)
+        streamed = [item async for item in h.core.stream("s", "ok", SamplingParams(max_tokens=2))]
+        await _settle()
+        return h, streamed
+
+    h, streamed = asyncio.run(scenario())
+    assert seen == {"g-0": RequestOutputKind.FINAL_ONLY, "g-1": RequestOutputKind.FINAL_ONLY,
+                    "s-0": RequestOutputKind.CUMULATIVE}
+    assert len(streamed) == 2 and sorted(h.by_id()) == ["g-0", "g-1", "s-0"]
