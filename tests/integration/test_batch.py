@@ -364,7 +364,7 @@ def no_engines(monkeypatch):
         raise AssertionError("an engine was started")
 
     monkeypatch.setattr(runner, "_start_replicas", refuse)
-    monkeypatch.setattr(deploy, "deploy", refuse)
+    monkeypatch.setattr(deploy, "launch", refuse)
 
 
 @pytest.mark.parametrize(

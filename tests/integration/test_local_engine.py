@@ -25,6 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import ENGINE_KWARGS  # at import time: see tests/unit/conftest.py
 from nnsight_ray.errors import RequestError
 
 pytestmark = pytest.mark.integration
@@ -40,8 +41,6 @@ LONG = "The quick brown fox jumps over the lazy dog."
 
 def _engine(path: str):
     from nnsight_ray.local import LocalVLLM
-
-    from conftest import ENGINE_KWARGS
 
     return LocalVLLM(path, dispatch=True, **ENGINE_KWARGS)
 

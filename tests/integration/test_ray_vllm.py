@@ -78,6 +78,29 @@ def test_non_blocking_ref_resolves_in_another_task(ray_tp1, local_llama):
     assert_close(tracer.collect()["hidden"], want)
 
 
+def test_nnsight_keywords_are_taken_and_prefix_caching_is_off_by_default(ray_tp1):
+    """RayVLLM takes nnsight VLLM's keywords with nnsight's defaults (issue 14.2).
+
+    The session's ``tp1`` was built with ``enforce_eager=True`` (nnsight pops it;
+    it used to fail here), and ``RayVLLM.connect`` rebuilds a client from that
+    spec. Prefix caching is off unless asked for, as nnsight has it: a
+    registered block on plain requests of one repeated prompt sees every
+    prompt token every time (a cached prefix would skip its forward).
+    """
+    from nnsight_ray import RayVLLM
+
+    again = RayVLLM.connect("tp1")  # the fixture built it with enforce_eager=True
+    prompt = "one prompt sent again and again, whose prefix a cache would keep " * 2
+    with again.edit() as (tracer, edit):
+        hidden = again.model.layers[0].output[0].save()  # noqa: F841 - the registered save
+    try:
+        for _ in range(3):
+            (output,) = again.generate([prompt], max_tokens=1, temperature=0.0)
+            assert output.saves["hidden"].shape[0] == len(output.prompt_token_ids)
+    finally:
+        edit.clear()
+
+
 def test_a_raising_non_blocking_trace_raises_its_type_here_and_in_a_task(ray_tp1, local_llama):
     """``ray.get(tracer.ref)`` raises the intervention's error, typed, as a Ray task error does."""
     with ray_tp1.trace("Hello world", temperature=0.0, max_tokens=1, blocking=False) as tracer:

@@ -1,4 +1,11 @@
-"""Unit tests are pure logic: none of them may start or join a Ray cluster."""
+"""Unit tests are pure logic: none of them may start or join a Ray cluster.
+
+This module and ``tests/conftest.py`` are both imported as ``conftest`` (no
+packages here), and the one collected last holds that name. So test modules
+take what they need from ``tests/conftest.py`` with a ``from conftest import``
+at module level, at collection (as every integration module does), never inside
+a function, which would run after this module took the name.
+"""
 
 from __future__ import annotations
 
