@@ -20,13 +20,46 @@ is nothing to assign yet): read the values from the dict.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from nnsight.tracing.backend import Backend
 
 from .errors import RequestError
 
-__all__ = ["RayRefBackend", "no_ref"]
+__all__ = ["BuiltTrace", "RayRefBackend", "build", "no_ref"]
+
+
+@dataclass
+class BuiltTrace:
+    """A trace's requests, blocks attached, ready to submit: one request per invoke."""
+
+    prompts: list[Any]
+    params: list[Any]
+    loras: list[Any] | None
+    presaved: set[str]
+
+
+def build(model: Any, tracer: Any) -> BuiltTrace:
+    """The first half of nnsight's ``VLLMTracer.execute``: build the workers, attach them to the requests.
+
+    Used by every path that submits a trace instead of running it here (a
+    non-blocking trace, the Serve replica's ``/v1/nnsight/generate``). Whether
+    or not it succeeds, nothing is left behind: as nnsight's own execute does
+    on its way out, the interleaver's workers and the shared store are cleared.
+    """
+    from nnsight.intervention.util import clear_shared_locals
+
+    try:
+        _, (prompts, params, loras), forward_kwargs = tracer.prepare(tracer.info.code)
+        mediators = model._attach_mediators(params, **forward_kwargs)
+        presaved: set[str] = set()
+        for mediator in mediators:
+            presaved |= set(getattr(mediator, "presaved", ()) or ())
+        return BuiltTrace(list(prompts), list(params), list(loras) if loras else None, presaved)
+    finally:
+        model.interleaver.cancel()
+        clear_shared_locals()
 
 
 class RayRefBackend(Backend):
@@ -37,21 +70,8 @@ class RayRefBackend(Backend):
         self.ref: Any = None
 
     def __call__(self, tracer: Any) -> None:
-        from nnsight.intervention.util import clear_shared_locals
-
-        model = self.model
-        try:
-            _, (prompts, params, loras), forward_kwargs = tracer.prepare(tracer.info.code)
-            mediators = model._attach_mediators(params, **forward_kwargs)
-            presaved: set[str] = set()
-            for mediator in mediators:
-                presaved |= getattr(mediator, "presaved", set())
-            self.ref = model.vllm_entrypoint.trace_ref(prompts, params, loras, presaved)
-        finally:
-            # What nnsight's own execute does on its way out: no worker or
-            # shared store left behind by a trace that never runs here.
-            model.interleaver.cancel()
-            clear_shared_locals()
+        built = build(self.model, tracer)
+        self.ref = self.model.vllm_entrypoint.trace_ref(built.prompts, built.params, built.loras, built.presaved)
         tracer.ref = self.ref
         tracer.collect = self.collect
 

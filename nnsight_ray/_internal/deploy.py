@@ -180,11 +180,9 @@ class MergeActor:
         that word; if it does not come in time, name the first actor the GCS
         saw die, as the engine would.
         """
-        deadline = time.monotonic() + DECLARED_WAIT_S
-        while self.book.dead is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        if self.book.dead is not None:
-            return self.book.dead
+        declared = await self.book.death(DECLARED_WAIT_S)
+        if declared is not None:
+            return declared
         loop = asyncio.get_running_loop()
         records = [*self.rank_records, *([self.engine_record] if self.engine_record else [])]
         states = await loop.run_in_executor(None, lambda: read_states(records, gcs_actor_entry))

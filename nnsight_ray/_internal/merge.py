@@ -76,6 +76,7 @@ class MergeBook:
         self.groups: dict[str, Group] = {}
         self.waiters: dict[str, asyncio.Event] = {}
         self.dead: str | None = None
+        self._died = asyncio.Event()  # set by fail()
         self.bytes_merged = 0
         self.requests_merged = 0  # finished requests handed over by the engine
         self.groups_expired = 0  # dropped by the sweep: caller gone, or never came for them
@@ -124,11 +125,21 @@ class MergeBook:
             self.groups.pop(key, None)
         return state
 
+    async def death(self, timeout: float) -> str | None:
+        """The death message once ``fail`` is called (at once if it was), or None after ``timeout`` s."""
+        if self.dead is None:
+            try:
+                await asyncio.wait_for(self._died.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return self.dead
+
     def fail(self, message: str) -> None:
         """The deployment is dead: fail every incomplete group now, and every later wait."""
         if self.dead is not None:
             return
         self.dead = message
+        self._died.set()
         for key, state in self.groups.items():
             if not state.complete:
                 state.error = EngineDeadError(message)
@@ -228,13 +239,13 @@ def trace_saves(outputs: list[Any], presaved: set[str]) -> dict[str, Any]:
     stand_in = SimpleNamespace(presaved=set(presaved), lcls={})
     try:
         VLLM._collect([stand_in], outputs)
-    except BaseException as exception:  # a deferred intervention error, re-raised by _collect
+    except BaseException:  # a deferred intervention error, re-raised by _collect
         deferred = [e for e in (getattr(o, "nnsight_error", None) for o in outputs)
                     if e and not e.get("is_control_flow")]
         if not deferred:
             raise
-        raise_intervention(deferred[0])
-        raise exception  # raise_intervention returned: the deferred error was a stop
+        raise_intervention(deferred[0])  # always raises: control-flow stops were filtered out
+        raise
     finally:
         # `_collect` marks values in this thread's saved-id set, the gate a
         # trace's push consults; nothing traces here, so keep it from growing.

@@ -32,6 +32,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..refs import BuiltTrace, build
+
 __all__ = ["BuiltTrace", "CompletionRequest", "build_trace", "completion_response", "decode_saves",
            "encode_saves", "trace_payload"]
 
@@ -39,16 +41,6 @@ RETURN_SAVES_HEADER = "nnsight-return-saves"
 
 
 # --------------------------------------------------------------------------- traces
-
-
-@dataclass
-class BuiltTrace:
-    """A deserialized trace, ready to submit: one request per invoke."""
-
-    prompts: list[Any]
-    params: list[Any]
-    loras: list[Any] | None
-    presaved: set[str]
 
 
 def build_trace(model: Any, body: bytes, persistent_objects: dict, compress: bool = False) -> BuiltTrace:
@@ -65,22 +57,17 @@ def build_trace(model: Any, body: bytes, persistent_objects: dict, compress: boo
 
     try:
         tracer = RequestModel.deserialize(body, persistent_objects, compress=compress)
-        # deserialize drops the AST node, which re-serializing the workers onto
-        # the requests needs; parse the shipped source back (nnsight's server does
-        # the same in _build_tracer).
-        source = "".join(linecache.cache[tracer.info.frame.f_code.co_filename][2])
-        tracer.node = ast.parse(source)
-        _, (prompts, params, loras), forward_kwargs = tracer.prepare(tracer.info.code)
-        mediators = model._attach_mediators(params, **forward_kwargs)
-        presaved: set[str] = set()
-        for mediator in mediators:
-            presaved |= set(getattr(mediator, "presaved", ()) or ())
-        return BuiltTrace(list(prompts), list(params), list(loras) if loras else None, presaved)
-    finally:
-        # Whether or not the build succeeded: its workers are serialized onto the
-        # requests now (or never will be), and must not bleed into the next build.
+    except BaseException:
+        # Nothing may bleed into the next build, even from a half-read trace.
         model.interleaver.cancel()
         clear_shared_locals()
+        raise
+    # deserialize drops the AST node, which re-serializing the workers onto
+    # the requests needs; parse the shipped source back (nnsight's server does
+    # the same in _build_tracer).
+    source = "".join(linecache.cache[tracer.info.frame.f_code.co_filename][2])
+    tracer.node = ast.parse(source)
+    return build(model, tracer)
 
 
 def trace_payload(saves: dict[str, Any], error: dict | None) -> bytes:

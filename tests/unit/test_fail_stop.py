@@ -414,3 +414,18 @@ def test_submitted_requests_ask_vllm_for_the_final_output_only_streams_for_every
     assert seen == {"g-0": RequestOutputKind.FINAL_ONLY, "g-1": RequestOutputKind.FINAL_ONLY,
                     "s-0": RequestOutputKind.CUMULATIVE}
     assert len(streamed) == 2 and sorted(h.by_id()) == ["g-0", "g-1", "s-0"]
+
+
+def test_a_merge_book_hands_its_death_message_to_who_waits_for_it():
+    """``MergeBook.death``: the message as soon as ``fail`` is called, None if it is not in time."""
+    from nnsight_ray._internal.merge import MergeBook
+
+    async def scenario():
+        book = MergeBook(abandon_after_s=10, ttl_s=60)
+        assert await book.death(0.05) is None
+        waiting = asyncio.ensure_future(book.death(5))
+        await _settle()
+        book.fail("the engine is dead: rank pp1.tp0 died")
+        return await asyncio.wait_for(waiting, 1), await book.death(0)
+
+    assert asyncio.run(scenario()) == ("the engine is dead: rank pp1.tp0 died",) * 2
