@@ -66,11 +66,11 @@ class RemoteEngine:
     nnsight; ``collective_rpc`` reaches every rank in rank order.
     """
 
-    def __init__(self, handles: dict[str, Any]) -> None:
-        self.handles = handles
-        self.engine = handles["engine"]
-        self.merges = handles["merges"]
-        self.name = handles["spec"]["name"]
+    def __init__(self, deployment: Any) -> None:
+        self.deployment = deployment  # a deploy.Deployment
+        self.engine = deployment.engine
+        self.merges = deployment.merges
+        self.name = deployment.name
         self._records: Any = None
         self.records()  # now, while the engine can answer: a dead one cannot say who its ranks were
 
@@ -85,9 +85,9 @@ class RemoteEngine:
                 self._records = ray_errors.get(self.engine.get_records.remote(), timeout=PING_TIMEOUT_S)
             except Exception:  # the engine actor is gone: what the handles say
                 return DeploymentRecords(
-                    ActorRecord(ENGINE, f"{self.name}.engine", self.engine._actor_id.hex()),
+                    ActorRecord(ENGINE, self.deployment.spec.engine_name, self.engine._actor_id.hex()),
                     [ActorRecord(MERGE, n, m._actor_id.hex())
-                     for n, m in zip(self.handles["spec"]["merge_names"], self.merges)], [])
+                     for n, m in zip(self.deployment.spec.merge_names, self.merges)], [])
         return self._records
 
     def survey(self) -> list[Any]:
@@ -260,17 +260,18 @@ class RayVLLM(LocalVLLM):
     def __init__(self, model: str, *, name: str | None = None, num_merge_actors: int = 1,
                  detached: bool = False, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  engine_actor_options: dict[str, Any] | None = None,
-                 _handles: dict[str, Any] | None = None, **kwargs: Any) -> None:
+                 _deployment: Any = None, **kwargs: Any) -> None:
         from ._internal import deploy
 
         nnsight_kwargs = {k: kwargs.pop(k) for k in ("mode", "envoys") if k in kwargs}
-        if _handles is None:
+        if _deployment is None:
             # The engine starts while this process builds the meta model.
-            _handles = self._launch(model, name=name, num_merge_actors=num_merge_actors, detached=detached,
+            _deployment = self._launch(model, name=name, num_merge_actors=num_merge_actors, detached=detached,
                                     tensor_parallel_size=tensor_parallel_size,
                                     pipeline_parallel_size=pipeline_parallel_size,
                                     engine_actor_options=engine_actor_options, **kwargs)
-        self._deployment = {"name": _handles["spec"]["name"], "handles": _handles}
+        # The deploy.Deployment (None once shut down, and in a pickled copy) and its name.
+        self._deployment, self._deployment_name = _deployment, _deployment.name
         engine_kwargs = {k: v for k, v in kwargs.items() if k not in RAY_OPTION_NAMES}
         try:
             super().__init__(model, **nnsight_kwargs, **engine_kwargs)
@@ -279,14 +280,14 @@ class RayVLLM(LocalVLLM):
             self._serving = True
             self.dispatch()
         except BaseException:
-            if "starting" in _handles:  # launched here, failed before serving: take it down
-                deploy.discard(_handles)
+            if _deployment.starting is not None:  # launched here, failed before serving: take it down
+                deploy.discard(_deployment)
             raise
 
     @staticmethod
     def _launch(model: str, *, name: str | None = None, num_merge_actors: int = 1, detached: bool = False,
                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                engine_actor_options: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+                engine_actor_options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         """Start a deployment of ``model`` (``RayVLLM`` arguments) without waiting for it."""
         from ._internal import deploy
         from ._internal.options import RankPlacement, connect_ray
@@ -319,19 +320,19 @@ class RayVLLM(LocalVLLM):
         """
         from ._internal import deploy
 
-        launched: dict[str, dict[str, Any]] = {}
+        launched: dict[str, Any] = {}
         models: dict[str, RayVLLM] = {}
         try:
             for name, layout in layouts.items():
                 launched[name] = cls._launch(model, name=name, **{**common, **layout})
             for name, layout in layouts.items():
-                models[name] = cls(model, name=name, _handles=launched[name], **{**common, **layout})
+                models[name] = cls(model, name=name, _deployment=launched[name], **{**common, **layout})
         except BaseException:
-            for name, handles in launched.items():
+            for name, deployment in launched.items():
                 if name in models:
                     models[name].shutdown()
                 else:
-                    deploy.discard(handles)
+                    deploy.discard(deployment)
             raise
         return models
 
@@ -342,11 +343,11 @@ class RayVLLM(LocalVLLM):
         from ._internal.options import connect_ray
 
         connect_ray()
-        handles = deploy.connect(name)
-        spec = handles["spec"]
-        kwargs = {k: v for k, v in spec["engine_kwargs"].items()
+        deployment = deploy.connect(name)
+        spec = deployment.spec
+        kwargs = {k: v for k, v in spec.engine_kwargs.items()
                   if k not in ("tensor_parallel_size", "pipeline_parallel_size")}
-        return cls(spec["model"], name=name, _handles=handles, **nnsight_kwargs, **kwargs)
+        return cls(spec.model, name=name, _deployment=deployment, **nnsight_kwargs, **kwargs)
 
     def _load(self, repo_id: str, **kwargs: Any) -> Any:
         from ._internal import deploy
@@ -359,18 +360,17 @@ class RayVLLM(LocalVLLM):
         if self._owns_distributed:
             self._cleanup_distributed()
             self._owns_distributed = False
-        d = self._deployment
-        d["handles"] = deploy.wait_started(d["handles"])
-        self.vllm_entrypoint = RemoteEngine(d["handles"])
+        self.vllm_entrypoint = RemoteEngine(deploy.wait_started(self._deployment))
         return meta_model
 
     @property
     def name(self) -> str:
-        return self._deployment["name"]
+        return self._deployment_name
 
     def _pipeline_stages(self) -> int:
-        handles = self._deployment.get("handles") or {}
-        return int(handles.get("spec", {}).get("engine_kwargs", {}).get("pipeline_parallel_size") or 1)
+        if self._deployment is None:
+            return 1
+        return int(self._deployment.spec.engine_kwargs.get("pipeline_parallel_size") or 1)
 
     def trace(self, *inputs: Any, blocking: bool = True, **kwargs: Any) -> Any:
         """nnsight's trace; ``blocking=False`` returns at once with ``tracer.ref`` (see ``refs``)."""
@@ -390,7 +390,7 @@ class RayVLLM(LocalVLLM):
         # A block that references the model may pickle it (by value on a
         # pipeline stage, see `_internal.envoy_refs`); live actor handles stay home.
         state = super().__getstate__()
-        state["_deployment"] = {**state["_deployment"], "handles": None}
+        state["_deployment"] = None
         return state
 
     def topology(self) -> list[dict[str, Any]]:
@@ -408,8 +408,7 @@ class RayVLLM(LocalVLLM):
         """Release every actor and placement group of this deployment."""
         from ._internal import deploy
 
-        handles = self._deployment.get("handles")
-        if handles is not None:
-            deploy.shutdown(handles)
-            self._deployment["handles"] = None
+        if self._deployment is not None:
+            deploy.shutdown(self._deployment)
+            self._deployment = None
         self.vllm_entrypoint = None

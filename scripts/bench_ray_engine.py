@@ -311,8 +311,7 @@ def main() -> None:
     from nnsight_ray.models import build_model
 
     model_dir = args.model_dir or str(build_model(tempfile.mkdtemp(prefix="bench-llama-"), arch="llama"))
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-             namespace="nnsight_ray")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="nnsight_ray")
     results = {}
     if "executor" in parts:
         results.update(part_executor(model_dir, args))

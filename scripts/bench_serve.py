@@ -14,7 +14,7 @@ trace saving one decoder layer's output and the logits::
   (nnsight's ``VLLM`` on vLLM's CPU build, see docs/cpu-engine.md), in a
   subprocess of this script.
 - ``ray-serve``: ``nnsight_ray.serve:build_app`` with one replica on a local
-  Ray instance bound to 127.0.0.1 (Serve proxy on 127.0.0.1 too).
+  Ray instance (Serve proxy on 127.0.0.1).
 
 For each concurrency level, ``C`` client threads send traces back to back.
 The machine this runs on is shared and its load swings by the minute, so the
@@ -117,7 +117,7 @@ def start_nnsight_server(model_dir: str, tp: int, pp: int) -> tuple[subprocess.P
 
 
 def start_ray(tp: int, pp: int) -> None:
-    """A local Ray instance on 127.0.0.1, retried: Ray gives a raylet 30 s to register, which a
+    """A local Ray instance, retried: Ray gives a raylet 30 s to register, which a
     loaded machine can miss ("The current node timed out during startup")."""
     import ray
 
@@ -129,7 +129,7 @@ def start_ray(tp: int, pp: int) -> None:
     for attempt in range(attempts):
         try:
             ray.init(address="local", namespace="nnsight_ray", include_dashboard=False,
-                     _node_ip_address="127.0.0.1", num_cpus=max(4, tp * pp + 2), log_to_driver=False)
+                     num_cpus=max(4, tp * pp + 2), log_to_driver=False)
             return
         except Exception as error:
             if attempt == attempts - 1:

@@ -252,7 +252,7 @@ def connect_reference(name: str, model_path: str, prompts: list[str], args: argp
     except Exception as error:
         report.update(status="failed to connect", error=f"{type(error).__name__}: {error}"[:2000])
         return report, None
-    served = model.vllm_entrypoint.handles["spec"]["model"]
+    served = model.vllm_entrypoint.deployment.spec.model
     if len(model.topology()) != 1 or os.path.realpath(served) != os.path.realpath(model_path):
         report.update(status="not a reference", error=f"deployment {name!r} runs {served} on "
                       f"{len(model.topology())} rank(s); the reference is {model_path} on one rank")

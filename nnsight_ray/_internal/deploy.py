@@ -2,8 +2,11 @@
 
 The engine and merge actors' ``ray.remote`` options (names, namespace,
 lifetime, resources, runtime env) are applied here; the rank actors' by the
-executor that vLLM's engine core runs (``ray_executor.py``). The logic lives
-in ``engine.py`` and ``merge.py`` and never calls Ray itself.
+executor that vLLM's engine core runs (``ray_executor.py``). The actors are
+thin shells: the logic lives in ``engine.py``, ``merge.py`` and
+``liveness.py`` and never calls Ray itself (the GCS readers here are passed
+to it as ``CLUSTER``); the rank placement group's owner is
+``options.RankReservation``.
 
 Names, in the ``nnsight_ray`` namespace, for a deployment called ``<name>``::
 
@@ -21,6 +24,7 @@ import os
 import threading
 import time
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -28,12 +32,12 @@ import ray
 from ..errors import EngineDeadError, RequestError
 from . import metrics
 from .engine import Report
-from .liveness import (ENGINE, MERGE, ActorRecord, ActorState, DeploymentRecords, as_dicts, dead_message,
-                       diagnose, engine_dead, every, rank_records, read_states)
+from .liveness import (ENGINE, MERGE, ActorRecord, Cluster, DeathWatch, DeploymentRecords, EngineWatch, every,
+                       rank_records)
 from .merge import MergeBook, trace_saves
 from .ray_errors import cause
-from .options import (NAMESPACE, PlacementPlan, RankPlacement, placement_group_name, plan_placement,
-                      remove_named_placement_groups, world_size)
+from .options import NAMESPACE, PlacementPlan, RankPlacement, RankReservation, placement_group_name, plan_placement, \
+    world_size
 from .topology import RankId
 
 logger = logging.getLogger(__name__)
@@ -69,7 +73,14 @@ def merge_index(group: str, shards: int) -> int:
 
 
 def gcs_actor_entry(actor_id: str) -> dict[str, Any] | None:
-    """The GCS actor-table entry of one actor (blocking), or None if it has none."""
+    """The GCS actor-table entry of one actor (blocking), or None if it has none.
+
+    Ray's private ``ray._private.state.actors`` (Ray 2.60.0), kept on purpose:
+    the public ``ray.util.state.get_actor`` asks the dashboard's state API
+    (clusters started by ``options.connect_ray`` run without a dashboard) and
+    its ``ActorState`` carries no end time, which is what tells the first rank
+    to die from the ones vLLM stopped after it (``liveness.first_dead``).
+    """
     import ray._private.state as ray_state
 
     return ray_state.actors(actor_id=actor_id) or None
@@ -79,12 +90,38 @@ def alive_nodes() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
 
-def actor_death_message(record: ActorRecord | None, error: BaseException | None = None) -> str:
-    """The engine-dead message for one actor found dead (blocking: reads the GCS)."""
-    if record is None:
-        return engine_dead(f"an actor of the deployment died ({error})")
-    message = dead_message(read_states([record], gcs_actor_entry), alive_nodes())
-    return message or engine_dead(f"{record.describe()} died ({type(error).__name__ if error else 'gone'})")
+#: How the watches read this cluster (``liveness.Cluster``).
+CLUSTER = Cluster(gcs_actor_entry, alive_nodes)
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """What a deployment is: the engine actor's construction argument, and what ``connect`` reads back."""
+
+    name: str
+    model: str
+    engine_kwargs: dict[str, Any]
+    placement: PlacementPlan
+    merge_names: tuple[str, ...]
+    detached: bool = False
+
+    @property
+    def engine_name(self) -> str:
+        return f"{self.name}.engine"
+
+
+@dataclass
+class Deployment:
+    """A deployment's actor handles and spec; ``starting`` is the engine's pending start until ``wait_started``."""
+
+    engine: Any
+    merges: list[Any]
+    spec: DeploymentSpec
+    starting: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
 
 def _import_rank_class() -> None:
@@ -97,17 +134,18 @@ def _import_rank_class() -> None:
 class MergeActor:
     """Takes each finished request's payloads from every rank, merges, resolves callers.
 
-    A shell over ``merge.MergeBook``; it also watches the engine actor, so a
-    caller waiting here learns of the engine actor's death within seconds.
+    A shell over ``merge.MergeBook`` (groups, waiting, expiry) and
+    ``liveness.EngineWatch`` (it watches the engine actor, so a caller waiting
+    here learns of the engine actor's death within seconds).
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.ranks: list[Any] = []
         self.rank_names: list[str] = []
-        self.rank_records: list[ActorRecord] = []
-        self.engine_record: ActorRecord | None = None
         self.book = MergeBook(ABANDON_AFTER_S, GROUP_TTL_S)
+        self.watch = EngineWatch(name, self.book, CLUSTER, (ray.exceptions.RayActorError,),
+                                 ping_timeout_s=PING_TIMEOUT_S, declared_wait_s=DECLARED_WAIT_S)
         self._sweeper: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         # A handle on a rank actor (set_ranks) loads the rank's class, whose
@@ -120,30 +158,14 @@ class MergeActor:
         """Rank actors in rank order (rank = pp * tp_size + tp): the merge order; and the engine to watch."""
         self.ranks = [ray.get_actor(r.name, namespace=NAMESPACE) for r in ranks]
         self.rank_names = [r.name for r in ranks]
-        self.rank_records = list(ranks)
-        self.engine_record = engine_record
+        self.watch.watch(ranks, engine_record)
         if engine is not None and self._watcher is None:
-            self._watcher = asyncio.ensure_future(
-                every(WATCH_PERIOD_S, lambda: self._engine_gone(engine, engine_record), f"{self.name} engine watch"))
-
-    async def _engine_gone(self, engine: Any, record: ActorRecord | None) -> bool:
-        """One look at the engine actor; True (and every waiter failed) once it is dead."""
-        if self.book.dead is not None:
-            return True
-        try:
-            await asyncio.wait_for(engine.ready.remote(), PING_TIMEOUT_S)
-        except ray.exceptions.RayActorError as error:
-            await self.fail(await asyncio.get_running_loop().run_in_executor(None, actor_death_message, record, error))
-            return True
-        except asyncio.TimeoutError:
-            logger.warning("%s: the engine actor did not answer a ping within %.0f s", self.name, PING_TIMEOUT_S)
-        return False
+            self._watcher = asyncio.ensure_future(every(
+                WATCH_PERIOD_S, lambda: self.watch.engine_gone(engine.ready.remote), f"{self.name} engine watch"))
 
     async def fail(self, message: str) -> None:
         """The deployment is dead: every waiter here, and every later wait, fails with ``message``."""
-        if self.book.dead is None:
-            logger.error("%s: %s", self.name, message)
-        self.book.fail(message)
+        self.watch.fail(message)
 
     def _ensure_sweeper(self) -> None:
         if self._sweeper is None:
@@ -163,30 +185,12 @@ class MergeActor:
         taken = await asyncio.gather(*(r.take_payloads.remote(request_ids) for r in self.ranks), return_exceptions=True)
         for name, result in zip(self.rank_names, taken):
             if isinstance(result, BaseException) and failure is None:  # a rank died between collect and take
-                failure = EngineDeadError(await self._death_message(
+                failure = EngineDeadError(await self.watch.death_message(
                     f"rank actor {name} could not hand over its saves ({type(result).__name__}: {result})"))
         if failure is None:
             per_rank = list(taken)
         self.book.arrive(reports, per_rank, failure)
         metrics.observe("nnsight_collect_seconds", time.perf_counter() - began, stage="merge")
-
-    async def _death_message(self, what: str) -> str:
-        """The deployment's one death message, for a failure seen here first.
-
-        The rank that failed to hand over is often not the one that died (vLLM
-        stops the other ranks when one dies), and the engine actor, which
-        watches every actor and vLLM's engine-core process, declares the death
-        to every merge actor within a second or two (``fail``). So wait for
-        that word; if it does not come in time, name the first actor the GCS
-        saw die, as the engine would.
-        """
-        declared = await self.book.death(DECLARED_WAIT_S)
-        if declared is not None:
-            return declared
-        loop = asyncio.get_running_loop()
-        records = [*self.rank_records, *([self.engine_record] if self.engine_record else [])]
-        states = await loop.run_in_executor(None, lambda: read_states(records, gcs_actor_entry))
-        return dead_message(states, await loop.run_in_executor(None, alive_nodes)) or engine_dead(what)
 
     async def outputs(self, group: str, size: int) -> list[Any]:
         """The group's ``RequestOutput``s, saves attached (raises the group's error)."""
@@ -218,11 +222,18 @@ class MergeActor:
 
 
 class EngineActor:
-    """The driver actor: vLLM's AsyncLLM on nnsight_ray's Ray rank executor."""
+    """The driver actor: vLLM's AsyncLLM on nnsight_ray's Ray rank executor.
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    A shell: ``engine.EngineCore`` runs the engine, ``engine.engine_args``
+    decides its start-up, and ``liveness.DeathWatch`` watches every actor of
+    the deployment and vLLM's engine-core process; this class wires Ray to them.
+    """
+
+    def __init__(self, spec: DeploymentSpec) -> None:
         self.spec = spec
         self.core = None
+        self.watch: DeathWatch | None = None
+        self.records: DeploymentRecords | None = None
         self.topology: list[dict[str, Any]] = []
         self.merges: list[Any] = []
         self.started = time.monotonic()
@@ -232,41 +243,33 @@ class EngineActor:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from . import platform
-        from .engine import EngineCore
-        from .ray_executor import engine_kwargs_with
+        from .engine import EngineCore, engine_args
 
         VLLM._require_v1_model_runner()
-        kwargs = platform.engine_defaults(self.spec["engine_kwargs"])
-        # nnsight's engine defaults (VLLM._load): a traced prompt is prefilled in
-        # one forward and every token runs a forward pass.
-        kwargs.setdefault("enable_chunked_prefill", False)
-        kwargs.setdefault("enable_prefix_caching", False)
-        kwargs = engine_kwargs_with(PlacementPlan.model_validate(self.spec["placement"]), kwargs)
+        spec = self.spec
         began = time.monotonic()
         # The rank placement group is deploy's (launch reserved it): if this
-        # fails, wait_started removes it by name, and nothing here does.
-        args = AsyncEngineArgs(model=self.spec["model"], worker_cls=platform.worker_cls(), enforce_eager=True, **kwargs)
-        llm = AsyncLLM.from_engine_args(args)
+        # fails, wait_started releases it, and nothing here does.
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(spec)))
         vllm_up = time.monotonic()
-        self.merges = [ray.get_actor(n, namespace=NAMESPACE) for n in self.spec["merge_names"]]
+        self.merges = [ray.get_actor(n, namespace=NAMESPACE) for n in spec.merge_names]
         self.core = EngineCore(llm, self._notify, self._describe_dead, on_dead=self._tell_merges)
         self.topology = await llm.collective_rpc("nnsight_ray_describe")
         described = time.monotonic()
         context = ray.get_runtime_context()
         self.records = DeploymentRecords(
-            engine=ActorRecord(ENGINE, f"{self.spec['name']}.engine", context.get_actor_id(),
-                               context.get_node_id(), os.getpid()),
-            merges=[ActorRecord(MERGE, n, m._actor_id.hex()) for n, m in zip(self.spec["merge_names"], self.merges)],
+            engine=ActorRecord(ENGINE, spec.engine_name, context.get_actor_id(), context.get_node_id(), os.getpid()),
+            merges=[ActorRecord(MERGE, n, m._actor_id.hex()) for n, m in zip(spec.merge_names, self.merges)],
             ranks=rank_records(self.topology))
-        names = [r.name for r in self.records.ranks]
+        self.watch = DeathWatch(self.records, CLUSTER, self.core.core_processes)
         me = context.current_actor
         await asyncio.gather(*(m.set_ranks.remote(self.records.ranks, me, self.records.engine) for m in self.merges))
         logger.info("engine %s: imports %.1f s, vLLM engine %.1f s, describe %.1f s, merges %.1f s",
-                    self.spec["name"], began - self.started, vllm_up - began, described - vllm_up,
+                    spec.name, began - self.started, vllm_up - began, described - vllm_up,
                     time.monotonic() - described)
-        self._watcher = asyncio.ensure_future(every(WATCH_PERIOD_S, self._check, f"engine {self.spec['name']} watch"))
-        logger.info("engine %s ready: %d ranks", self.spec["name"], len(names))
+        self._watcher = asyncio.ensure_future(
+            every(WATCH_PERIOD_S, lambda: self.watch.check(self.core), f"engine {spec.name} watch"))
+        logger.info("engine %s ready: %d ranks", spec.name, len(self.records.ranks))
         return self.topology
 
     def _notify(self, reports: list[Report]) -> None:
@@ -278,73 +281,17 @@ class EngineActor:
 
     def _tell_merges(self, error: EngineDeadError) -> None:
         """Every merge actor fails its waiters (and later waits) with the engine's death message."""
-        metrics.inc("nnsight_engine_deaths", deployment=self.spec["name"])
+        metrics.inc("nnsight_engine_deaths", deployment=self.spec.name)
         for merge in self.merges:
             merge.fail.remote(str(error))
 
-    def _survey(self) -> list[ActorState]:
-        """Every actor of this deployment as the GCS actor table has it (blocking: run in a thread).
-
-        Read by actor id from the GCS (the data behind ``ray list actors``)
-        because it keeps *when* each actor ended: vLLM's executor kills the
-        surviving ranks within milliseconds of the first death, and only the
-        end times tell which one went first.
-        """
-        states = read_states(self.records.others(), gcs_actor_entry)
-        return [ActorState(self.records.engine, "ALIVE", self.records.engine.node_id), *states]
-
-    async def _check(self) -> bool:
-        """One watch step: fail the engine as soon as a rank or merge actor is gone, or vLLM errored.
-
-        vLLM's executor notices a dead rank too, but a core blocked mid-step
-        (a collective with the dead peer) may never report it; this does not
-        depend on that. True once the engine is dead (the watch ends).
-        """
-        core = self.core
-        if core is None or core.dead is not None:
-            return core is not None
-        message = await self._diagnose()
-        if message is None and getattr(core.llm, "errored", False):
-            message = await self._describe_dead()
-        if message is not None:
-            await core.fail(EngineDeadError(message))
-            return True
-        return False
-
-    async def _diagnose(self) -> str | None:
-        """The death message if vLLM's engine-core process, a rank or a merge actor is gone (``liveness.diagnose``)."""
-        loop = asyncio.get_running_loop()
-        states = await loop.run_in_executor(None, self._survey)
-        return diagnose(states, await loop.run_in_executor(None, alive_nodes), self._core_process())
-
-    def _core_processes(self) -> list[Any]:
-        """vLLM's engine-core processes (``multiprocessing`` handles); none before the engine is up."""
-        try:
-            return list(self.core.llm.engine_core.resources.engine_manager.processes)
-        except AttributeError:
-            return []
-
-    def _core_process(self) -> str | None:
-        """``engine core process pid P exited with code C`` if vLLM's engine-core process has ended."""
-        ended = [p for p in self._core_processes() if p.exitcode is not None]
-        if not ended:
-            return None
-        return "; ".join(f"vLLM's engine core process (pid {p.pid}) of {self.records.engine.describe()} "
-                         f"exited with code {p.exitcode}" for p in ended)
-
     async def _describe_dead(self) -> str:
-        """What killed the engine, once vLLM said it is dead (the GCS may learn of a death a moment later)."""
-        for attempt in range(3):
-            message = await self._diagnose()
-            if message is not None:
-                return message
-            await asyncio.sleep(1.0)
-        return engine_dead(f"vLLM's engine core in {self.records.engine.describe()} failed with every actor "
-                           "alive (see the engine actor's log)")
+        # Raises until start() built the watch; EngineCore then says it could not tell what died.
+        return await self.watch.describe_dead()
 
     def _require_core(self):
         if self.core is None:
-            raise RequestError(f"engine {self.spec['name']} is still starting; retry when ready()")
+            raise RequestError(f"engine {self.spec.name} is still starting; retry when ready()")
         return self.core
 
     async def submit(self, group: str, prompts: list, params: list, loras: list | None = None) -> None:
@@ -365,28 +312,25 @@ class EngineActor:
     async def ready(self) -> bool:
         return self.core is not None and self.core.dead is None
 
-    async def config(self) -> dict[str, Any]:
-        return dict(self.spec)
+    async def config(self) -> DeploymentSpec:
+        return self.spec
 
     async def get_topology(self) -> list[dict[str, Any]]:
         return list(self.topology)
 
     async def get_records(self) -> DeploymentRecords:
+        if self.records is None:
+            raise RequestError(f"engine {self.spec.name} is still starting; retry when ready()")
         return self.records
 
     async def health(self) -> dict[str, Any]:
         """Alive only if every actor of the deployment is: the engine, each merge actor, each rank."""
         core = self._require_core()
-        if core.dead is None:
-            await self._check()
-        states = await asyncio.get_running_loop().run_in_executor(None, self._survey)
-        return {"alive": core.dead is None, "error": None if core.dead is None else str(core.dead),
-                "actors": as_dicts(states), "uptime_s": time.monotonic() - self.started,
-                "collect": dict(core.collect_stats), "core_pids": [p.pid for p in self._core_processes()]}
+        return await self.watch.health(core, time.monotonic() - self.started)
 
     async def shutdown(self) -> None:
-        # The executor removes the rank placement group; if vLLM stopped its
-        # engine core first, deploy.shutdown removes it by name afterwards.
+        # The executor releases the rank placement group; if vLLM stopped its
+        # engine core first, deploy.shutdown releases it afterwards.
         watcher = getattr(self, "_watcher", None)
         if watcher is not None:  # ranks stopping now are not a failure to report
             watcher.cancel()
@@ -415,13 +359,13 @@ def eager_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: RankPlacement,
            num_merge_actors: int = 1, detached: bool = False,
-           engine_actor_options: dict[str, Any] | None = None) -> dict[str, Any]:
+           engine_actor_options: dict[str, Any] | None = None) -> Deployment:
     """Plan the ranks' placement (reserving their group), create the merge and engine actors, start the engine; don't wait.
 
-    Returns the deployment's handles with the pending start; ``wait_started``
-    waits for it (and cleans up if it failed). Meanwhile the caller can build
-    its client, or launch other deployments: an engine start is mostly
-    waiting for processes to come up and import vLLM, so several overlap well.
+    Returns the deployment with its pending start; ``wait_started`` waits for
+    it (and cleans up if it failed). Meanwhile the caller can build its
+    client, or launch other deployments: an engine start is mostly waiting
+    for processes to come up and import vLLM, so several overlap well.
 
     ``engine_actor_options`` are extra ``.options()`` for the engine actor, e.g.
     ``{"resources": {"gpu_node": 0.01}}`` to keep vLLM's engine core off a
@@ -430,7 +374,7 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
     placement = placement.model_copy(update={"engine_name": name})
     engine_kwargs = eager_engine_kwargs(engine_kwargs)
     lifetime = "detached" if detached else None
-    merge_names = [f"{name}.merge{i}" for i in range(num_merge_actors)]
+    merge_names = tuple(f"{name}.merge{i}" for i in range(num_merge_actors))
     for actor_name in [f"{name}.engine", *merge_names]:
         try:
             ray.get_actor(actor_name, namespace=NAMESPACE)
@@ -442,10 +386,11 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
         )
     # Reserved here, before any actor starts: an unsatisfiable layout fails in
     # seconds with what the cluster has, not after an engine actor has loaded
-    # vLLM. Released at shutdown: by the executor, or by name in shutdown(); a
-    # non-detached one also by Ray, with this process. A group of this name
-    # with no deployment left (a detached one whose actors were killed) is reclaimed.
-    if placement.placement_group_id is None and remove_named_placement_groups(placement_group_name(name)):
+    # vLLM. Released at shutdown (`RankReservation.release`: by the executor,
+    # and by shutdown()); a non-detached one also by Ray, with this process. A
+    # group of this name with no deployment left (a detached one whose actors
+    # were killed) is reclaimed.
+    if placement.placement_group_id is None and RankReservation.reclaim(placement_group_name(name)):
         logger.warning("deployment %s: removed a rank placement group its previous deployment left", name)
     plan = plan_placement(placement, world_size(engine_kwargs), detached=detached)
     runtime_env = {"env_vars": forwarded_env()}
@@ -454,49 +399,47 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
                                        runtime_env=runtime_env).remote(n)
         for n in merge_names
     ]
-    spec = {"name": name, "model": model, "engine_kwargs": engine_kwargs,
-            "placement": plan.as_config(), "merge_names": merge_names,
-            "detached": detached}
+    spec = DeploymentSpec(name=name, model=model, engine_kwargs=engine_kwargs, placement=plan,
+                          merge_names=merge_names, detached=detached)
     options = {"num_cpus": 0, "runtime_env": runtime_env, "max_concurrency": 10_000,
                **(engine_actor_options or {})}
     engine = ray.remote(EngineActor).options(
-        name=f"{name}.engine", namespace=NAMESPACE, lifetime=lifetime, **options,
+        name=spec.engine_name, namespace=NAMESPACE, lifetime=lifetime, **options,
     ).remote(spec)
-    return {"engine": engine, "merges": merges, "spec": spec, "starting": engine.start.remote()}
+    return Deployment(engine, merges, spec, starting=engine.start.remote())
 
 
-def wait_started(handles: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+def wait_started(deployment: Deployment, timeout_s: float = 600.0) -> Deployment:
     """Wait for a ``launch``ed engine to come up; on failure remove all of it and raise the engine's error."""
-    starting = handles.pop("starting", None)
+    starting, deployment.starting = deployment.starting, None
     if starting is None:
-        return handles
+        return deployment
     try:
         ray.get(starting, timeout=timeout_s)
     except BaseException as error:
-        for actor in [handles["engine"], *handles["merges"]]:
+        for actor in [deployment.engine, *deployment.merges]:
             ray.kill(actor)
-        if PlacementPlan.model_validate(handles["spec"]["placement"]).owns_placement_group:
-            remove_named_placement_groups(placement_group_name(handles["spec"]["name"]))
+        RankReservation.of(deployment.spec.placement).release()
         if isinstance(error, ray.exceptions.RayTaskError):
             raise cause(error) from None
         raise
-    return handles
+    return deployment
 
 
-def discard(handles: dict[str, Any]) -> None:
+def discard(deployment: Deployment) -> None:
     """Take down a ``launch``ed deployment that will not be used (its start may still be under way)."""
-    if "starting" not in handles:
-        shutdown(handles)
+    if deployment.starting is None:
+        shutdown(deployment)
         return
     try:
-        wait_started(handles)  # a half-started engine cannot be stopped cleanly
+        wait_started(deployment)  # a half-started engine cannot be stopped cleanly
     except Exception:
         return  # its start failed, and wait_started removed what it had
-    shutdown(handles)
+    shutdown(deployment)
 
 
-def connect(name: str) -> dict[str, Any]:
-    """Handles of a running named deployment, from any process in the cluster."""
+def connect(name: str) -> Deployment:
+    """A running named deployment, from any process in the cluster."""
     try:
         engine = ray.get_actor(f"{name}.engine", namespace=NAMESPACE)
     except ValueError:
@@ -504,9 +447,9 @@ def connect(name: str) -> dict[str, Any]:
             f"no deployment named {name!r} in namespace {NAMESPACE!r}; running ones: "
             f"{sorted(list_deployments())}"
         ) from None
-    spec = ray.get(engine.config.remote())
-    merges = [ray.get_actor(n, namespace=NAMESPACE) for n in spec["merge_names"]]
-    return {"engine": engine, "merges": merges, "spec": spec}
+    spec: DeploymentSpec = ray.get(engine.config.remote())
+    merges = [ray.get_actor(n, namespace=NAMESPACE) for n in spec.merge_names]
+    return Deployment(engine, merges, spec)
 
 
 def list_deployments() -> list[str]:
@@ -516,20 +459,19 @@ def list_deployments() -> list[str]:
             if a.get("namespace") == NAMESPACE and a["name"].endswith(".engine")]
 
 
-def shutdown(handles: dict[str, Any], timeout_s: float = 60.0) -> None:
+def shutdown(deployment: Deployment, timeout_s: float = 60.0) -> None:
     """Stop the engine (its engine core removes the rank actors and placement group), then the actors."""
-    engine = handles["engine"]
+    engine, name = deployment.engine, deployment.name
     try:
         ray.get(engine.shutdown.remote(), timeout=timeout_s)
     except Exception:
-        logger.warning("engine %s did not shut down cleanly; killing it", handles["spec"]["name"], exc_info=True)
-    for actor in [engine, *handles["merges"]]:
+        logger.warning("engine %s did not shut down cleanly; killing it", name, exc_info=True)
+    for actor in [engine, *deployment.merges]:
         try:
             ray.kill(actor)
         except Exception:
             pass
     # Rank actors belong to the engine core's Ray job and die with it; make sure.
-    name = handles["spec"]["name"]
     deadline = time.monotonic() + timeout_s
     for rank in _rank_names(name):
         try:
@@ -540,8 +482,8 @@ def shutdown(handles: dict[str, Any], timeout_s: float = 60.0) -> None:
     while _rank_names(name) and time.monotonic() < deadline:
         time.sleep(0.5)
     # Reserved by launch(), so released here too: vLLM often stops its engine-core
-    # process before the executor's own shutdown would remove it (routine, not a fault).
-    if remove_named_placement_groups(placement_group_name(name)):
+    # process before the executor's own shutdown would release it (routine, not a fault).
+    if RankReservation.of(deployment.spec.placement).release():
         logger.info("engine %s: removed its rank placement group", name)
 
 

@@ -22,7 +22,8 @@ what nnsight's ``NNsightLLMEngine.step`` adds in-process, distributed:
    that was cancelled, or on a collection stuck in a collective with a dead rank.
 
 No Ray calls here except through the ``notify`` and ``describe_dead``
-callables, which ``deploy.EngineActor`` supplies.
+callables, which ``deploy.EngineActor`` supplies. ``engine_args`` is the
+engine actor's start-up: what it hands vLLM's ``AsyncEngineArgs``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,24 @@ def final_only(param: Any) -> Any:
     if isinstance(param, SamplingParams):
         param.output_kind = RequestOutputKind.FINAL_ONLY
     return param
+
+
+def engine_args(spec: Any) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keywords for a ``deploy.DeploymentSpec``: the engine actor's start-up, decided here.
+
+    The platform's defaults and nnsight's (``VLLM._load``: a traced prompt is
+    prefilled in one forward and every token runs a forward pass), never over
+    the user's; the placement plan and nnsight_ray's executor riding vLLM's
+    config; nnsight_ray's worker; eager (``deploy.eager_engine_kwargs``).
+    """
+    from . import platform
+    from .ray_executor import engine_kwargs_with
+
+    kwargs = platform.engine_defaults(spec.engine_kwargs)
+    kwargs.setdefault("enable_chunked_prefill", False)
+    kwargs.setdefault("enable_prefix_caching", False)
+    kwargs = engine_kwargs_with(spec.placement, kwargs)
+    return {"model": spec.model, "worker_cls": platform.worker_cls(), "enforce_eager": True, **kwargs}
 
 
 @dataclass
@@ -250,6 +269,13 @@ class EngineCore:
                 logger.exception("could not hand %d finished request(s) to the merge actors", len(fresh))
 
     # -- health -------------------------------------------------------------
+
+    def core_processes(self) -> list[Any]:
+        """vLLM's engine-core processes (``multiprocessing`` handles); none before the engine is up."""
+        try:
+            return list(self.llm.engine_core.resources.engine_manager.processes)
+        except AttributeError:
+            return []
 
     async def _explain(self, exception: BaseException) -> BaseException:
         """Turn vLLM's engine-dead error into one that names the dead rank(s)."""

@@ -8,8 +8,14 @@ rebuilt deployment reuses the names, and the table keeps the dead ones), and
 every later call of that deployment gets: what died first, where, and whether
 its node is still there.
 
-Pure logic apart from ``gcs_actor_entry`` (the GCS read), which the callers
-pass in, so the unit tests run on fake tables.
+The watches are logic classes under the actors' thin shells (Ray Serve's
+``ActorReplicaWrapper`` shape): ``DeathWatch`` is the engine actor's (who of
+its ranks, merge actors and vLLM's engine-core process is gone, the message,
+``health()``), ``EngineWatch`` a merge actor's (the engine actor's death, and
+the message for a rank failure it saw first). Neither calls Ray: it reaches
+the cluster only through the ``Cluster`` readers the shells pass in
+(``deploy.gcs_actor_entry``, ``deploy.alive_nodes``), so the unit tests run
+them on fake tables, fake clocks and fake pings.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
+
+from ..errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -192,3 +200,173 @@ async def every(period_s: float, step: Callable[[], Awaitable[bool]], what: str)
 
 def as_dicts(states: list[ActorState]) -> list[dict[str, Any]]:
     return [s.as_dict() for s in states]
+
+
+async def in_thread(read: Callable[[], Any]) -> Any:
+    """Run a blocking read (a GCS call) off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, read)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """How a watch reads the cluster: injected, so the logic runs on fakes.
+
+    ``entry(actor_id)`` is an actor's GCS actor-table entry (or None) and
+    ``alive_nodes()`` the ids of the live nodes, both blocking; ``offload``
+    runs a blocking read off the event loop and ``sleep`` waits between retries.
+    """
+
+    entry: Callable[[str], dict[str, Any] | None]
+    alive_nodes: Callable[[], set[str]]
+    offload: Callable[[Callable[[], Any]], Awaitable[Any]] = in_thread
+    sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep
+
+    def message(self, records: list[ActorRecord]) -> str | None:
+        """The death message for the dead among ``records`` (blocking), None while they all live."""
+        return dead_message(read_states(records, self.entry), self.alive_nodes())
+
+    def actor_died(self, record: ActorRecord | None, error: BaseException | None = None) -> str:
+        """The engine-dead message for one actor found dead (blocking: reads the GCS)."""
+        if record is None:
+            return engine_dead(f"an actor of the deployment died ({error})")
+        return self.message([record]) or engine_dead(
+            f"{record.describe()} died ({type(error).__name__ if error else 'gone'})")
+
+
+class DeathWatch:
+    """The engine actor's watch over its deployment: what died, in the one message; ``health()``.
+
+    ``core_processes()`` lists vLLM's engine-core processes (``multiprocessing``
+    handles with ``pid`` and ``exitcode``; ``EngineCore.core_processes``).
+    """
+
+    # vLLM may say the engine is dead a moment before the GCS marks the actor that took it down.
+    DESCRIBE_ATTEMPTS = 3
+    DESCRIBE_RETRY_S = 1.0
+
+    def __init__(self, records: DeploymentRecords, cluster: Cluster,
+                 core_processes: Callable[[], list[Any]] = list) -> None:
+        self.records = records
+        self.cluster = cluster
+        self.core_processes = core_processes
+
+    def survey(self) -> list[ActorState]:
+        """Every actor of this deployment as the GCS actor table has it (blocking: run in a thread).
+
+        Read by actor id from the GCS (the data behind ``ray list actors``)
+        because it keeps *when* each actor ended: vLLM's executor kills the
+        surviving ranks within milliseconds of the first death, and only the
+        end times tell which one went first. The engine actor is the one asking.
+        """
+        states = read_states(self.records.others(), self.cluster.entry)
+        return [ActorState(self.records.engine, "ALIVE", self.records.engine.node_id), *states]
+
+    def core_process(self) -> str | None:
+        """``engine core process pid P exited with code C`` if vLLM's engine-core process has ended."""
+        ended = [p for p in self.core_processes() if p.exitcode is not None]
+        if not ended:
+            return None
+        return "; ".join(f"vLLM's engine core process (pid {p.pid}) of {self.records.engine.describe()} "
+                         f"exited with code {p.exitcode}" for p in ended)
+
+    async def diagnose(self) -> str | None:
+        """The death message if vLLM's engine-core process, a rank or a merge actor is gone (``diagnose``)."""
+        states = await self.cluster.offload(self.survey)
+        return diagnose(states, await self.cluster.offload(self.cluster.alive_nodes), self.core_process())
+
+    async def describe_dead(self) -> str:
+        """What killed the engine, once vLLM said it is dead (the GCS may learn of a death a moment later)."""
+        for _ in range(self.DESCRIBE_ATTEMPTS):
+            message = await self.diagnose()
+            if message is not None:
+                return message
+            await self.cluster.sleep(self.DESCRIBE_RETRY_S)
+        return engine_dead(f"vLLM's engine core in {self.records.engine.describe()} failed with every actor "
+                           "alive (see the engine actor's log)")
+
+    async def check(self, core: Any) -> bool:
+        """One watch step: fail ``core`` (an ``EngineCore``) as soon as an actor is gone, or vLLM errored.
+
+        vLLM's executor notices a dead rank too, but a core blocked mid-step
+        (a collective with the dead peer) may never report it; this does not
+        depend on that. True once the engine is dead (the watch ends).
+        """
+        if core is None or core.dead is not None:
+            return core is not None
+        message = await self.diagnose()
+        if message is None and getattr(core.llm, "errored", False):
+            message = await self.describe_dead()
+        if message is not None:
+            await core.fail(EngineDeadError(message))
+            return True
+        return False
+
+    async def health(self, core: Any, uptime_s: float) -> dict[str, Any]:
+        """Alive only if every actor of the deployment is: the engine, each merge actor, each rank."""
+        if core.dead is None:
+            await self.check(core)
+        states = await self.cluster.offload(self.survey)
+        return {"alive": core.dead is None, "error": None if core.dead is None else str(core.dead),
+                "actors": as_dicts(states), "uptime_s": uptime_s,
+                "collect": dict(core.collect_stats), "core_pids": [p.pid for p in self.core_processes()]}
+
+
+class EngineWatch:
+    """A merge actor's watch: the engine actor's death, and the message for a failure seen here first.
+
+    ``book`` is the merge actor's ``merge.MergeBook`` (``dead``, ``fail``,
+    ``death``); ``ping()`` asks the engine actor whether it answers, and
+    raises one of ``gone`` once it is dead (Ray's ``RayActorError``).
+    """
+
+    def __init__(self, name: str, book: Any, cluster: Cluster, gone: tuple[type[BaseException], ...],
+                 ping_timeout_s: float, declared_wait_s: float) -> None:
+        self.name = name
+        self.book = book
+        self.cluster = cluster
+        self.gone = gone
+        self.ping_timeout_s = ping_timeout_s
+        self.declared_wait_s = declared_wait_s
+        self.ranks: list[ActorRecord] = []
+        self.engine: ActorRecord | None = None
+
+    def watch(self, ranks: list[ActorRecord], engine: ActorRecord | None) -> None:
+        """The ranks (rank order) and the engine actor of this deployment."""
+        self.ranks, self.engine = list(ranks), engine
+
+    def fail(self, message: str) -> None:
+        """The deployment is dead: every waiter here, and every later wait, fails with ``message``."""
+        if self.book.dead is None:
+            logger.error("%s: %s", self.name, message)
+        self.book.fail(message)
+
+    async def engine_gone(self, ping: Callable[[], Awaitable[Any]]) -> bool:
+        """One look at the engine actor; True (and every waiter failed) once it is dead."""
+        if self.book.dead is not None:
+            return True
+        try:
+            await asyncio.wait_for(ping(), self.ping_timeout_s)
+        except self.gone as error:
+            engine, died = self.engine, error
+            self.fail(await self.cluster.offload(lambda: self.cluster.actor_died(engine, died)))
+            return True
+        except asyncio.TimeoutError:
+            logger.warning("%s: the engine actor did not answer a ping within %.0f s", self.name, self.ping_timeout_s)
+        return False
+
+    async def death_message(self, what: str) -> str:
+        """The deployment's one death message, for a failure seen here first (``what``).
+
+        The rank that failed to hand over is often not the one that died (vLLM
+        stops the other ranks when one dies), and the engine actor, which
+        watches every actor and vLLM's engine-core process, declares the death
+        to every merge actor within a second or two (``fail``). So wait for
+        that word; if it does not come in time, name the first actor the GCS
+        saw die, as the engine would.
+        """
+        declared = await self.book.death(self.declared_wait_s)
+        if declared is not None:
+            return declared
+        records = [*self.ranks, *([self.engine] if self.engine else [])]
+        states = await self.cluster.offload(lambda: read_states(records, self.cluster.entry))
+        return dead_message(states, await self.cluster.offload(self.cluster.alive_nodes)) or engine_dead(what)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -131,7 +132,7 @@ def split_ray_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
 
 
 def connect_ray(address: str | None = None) -> str:
-    """Join the cluster at ``address``/``RAY_ADDRESS``, or start a local one on 127.0.0.1.
+    """Join the cluster at ``address``/``RAY_ADDRESS``, or start a local one.
 
     Returns the GCS address, which the engine-core process (a separate process
     vLLM spawns) uses to join the same cluster.
@@ -150,7 +151,11 @@ def connect_ray(address: str | None = None) -> str:
         if address:
             ray.init(address=address, namespace=NAMESPACE)
         else:
-            ray.init(namespace=NAMESPACE, include_dashboard=False, _node_ip_address="127.0.0.1")
+            # No `_node_ip_address="127.0.0.1"` (a private keyword this passed
+            # until Ray 2.60.0): Ray resolves a loopback address to the node's
+            # routable IP anyway (`services.resolve_ip_for_localhost`), so it
+            # changed nothing.
+            ray.init(namespace=NAMESPACE, include_dashboard=False)
     return ray.get_runtime_context().gcs_address
 
 
@@ -180,41 +185,108 @@ def plan_placement(placement: RankPlacement, world_size: int, detached: bool = F
     else:
         connect_ray(placement.ray_address)
     placement = resolve_device(placement)
-    pg, owned = acquire_placement_group(world_size, placement, detached=detached)
-    return PlacementPlan(placement=placement, world_size=world_size, placement_group_id=pg.id.hex(),
-                         owns_placement_group=owned)
+    reservation = RankReservation.reserve(placement, world_size, detached=detached)
+    return PlacementPlan(placement=placement, world_size=world_size, placement_group_id=reservation.placement_group_id,
+                         owns_placement_group=reservation.owned)
 
 
-def acquire_placement_group(world_size: int, placement: RankPlacement, detached: bool = False):
-    """The rank bundles' placement group and whether we created it (and must remove it).
+# Placement-group states in which a group still holds (or waits for) its resources.
+_LIVE_GROUP_STATES = ("CREATED", "PENDING", "RESCHEDULING")
 
-    A group created here is scoped to this process (its job, or the actor it
-    runs in) unless ``detached``.
+
+@dataclass(frozen=True)
+class RankReservation:
+    """The one owner of a deployment's rank placement group: reserve, release, reclaim by name.
+
+    Every path that ends a group goes through here: a failed start
+    (``deploy.wait_started``), ``deploy.shutdown``, the executor's shutdown in
+    vLLM's engine core, ``LocalVLLM`` on a failed start, and ``deploy.launch``
+    reclaiming a group an earlier deployment of that name left. Only an
+    ``owned`` group (reserved by `reserve`, not the caller's) is ever removed.
+    `release` is idempotent: the engine core and the caller may both release
+    the same group, and only the first removes it.
     """
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
 
-    from ..errors import PlacementError
+    placement_group_id: str
+    owned: bool = False
 
-    if placement.placement_group_id:
-        return existing_placement_group(placement.placement_group_id, world_size, placement.placement_timeout_s), False
-    bundles = placement.bundles(world_size)
-    # Detached only for a detached deployment, which outlives the job that
-    # reserved it (deploy.shutdown removes it); any other is Ray's to remove
-    # with its creator, so a killed driver leaves nothing reserved.
-    pg = placement_group(bundles, strategy=placement.placement_strategy, lifetime="detached" if detached else None,
-                         name=placement_group_name(placement.engine_name) if placement.engine_name else "")
-    ready, _ = ray.wait([pg.ready()], timeout=placement.placement_timeout_s)
-    if not ready:
-        remove_placement_group(pg)
-        raise PlacementError(
-            f"could not place {world_size} rank bundles {bundles[0]} with strategy "
-            f"{placement.placement_strategy} within {placement.placement_timeout_s:.0f}s. "
-            f"Cluster total: {ray.cluster_resources()}; available now: {ray.available_resources()}; "
-            f"nodes: {sum(1 for n in ray.nodes() if n['Alive'])}. Lower cpus_per_rank/gpus_per_rank, "
-            "use a looser strategy (PACK/SPREAD), add nodes, or raise placement_timeout_s. Check `ray status`."
-        )
-    return pg, True
+    @classmethod
+    def reserve(cls, placement: RankPlacement, world_size: int, detached: bool = False) -> "RankReservation":
+        """The ranks' group: the caller's (checked), or one reserved now, named ``<engine>.ranks``.
+
+        A group created here is scoped to this process (its job, or the actor it
+        runs in) unless ``detached``: a detached deployment outlives the job that
+        reserved it (``deploy.shutdown`` releases it); any other is Ray's to
+        remove with its creator, so a killed driver leaves nothing reserved.
+        """
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        from ..errors import PlacementError
+
+        if placement.placement_group_id:
+            existing_placement_group(placement.placement_group_id, world_size, placement.placement_timeout_s)
+            return cls(placement.placement_group_id, owned=False)
+        bundles = placement.bundles(world_size)
+        pg = placement_group(bundles, strategy=placement.placement_strategy, lifetime="detached" if detached else None,
+                             name=placement_group_name(placement.engine_name) if placement.engine_name else "")
+        ready, _ = ray.wait([pg.ready()], timeout=placement.placement_timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise PlacementError(
+                f"could not place {world_size} rank bundles {bundles[0]} with strategy "
+                f"{placement.placement_strategy} within {placement.placement_timeout_s:.0f}s. "
+                f"Cluster total: {ray.cluster_resources()}; available now: {ray.available_resources()}; "
+                f"nodes: {sum(1 for n in ray.nodes() if n['Alive'])}. Lower cpus_per_rank/gpus_per_rank, "
+                "use a looser strategy (PACK/SPREAD), add nodes, or raise placement_timeout_s. Check `ray status`."
+            )
+        return cls(pg.id.hex(), owned=True)
+
+    @classmethod
+    def of(cls, plan: PlacementPlan) -> "RankReservation":
+        """The reservation a launch planned (``plan_placement``)."""
+        return cls(plan.placement_group_id, owned=plan.owns_placement_group)
+
+    def release(self) -> bool:
+        """Remove the group if it is ours and still live; True if this call removed it."""
+        if not self.owned:
+            return False
+        import ray
+
+        try:
+            state = ray.util.placement_group_table(placement_group_by_id(self.placement_group_id)).get("state")
+        except Exception:  # the cluster is gone, and the group with it
+            logger.debug("could not read placement group %s", self.placement_group_id, exc_info=True)
+            return False
+        return state in _LIVE_GROUP_STATES and _remove(self.placement_group_id)
+
+    @staticmethod
+    def reclaim(name: str) -> int:
+        """Remove every live placement group called ``name``, in any namespace; how many were removed.
+
+        How a deployment reclaims the group of an earlier one of its name (a
+        detached one whose actors were killed: nothing else would remove it).
+        By the placement-group table, not ``ray.util.get_placement_group(name)``:
+        in Ray 2.60.0 that looks the name up in the caller's namespace only
+        (``get_placement_group_by_name(name, worker.namespace)``), and the
+        reserving process may run in another (a user's own ``ray.init()``
+        joins an anonymous namespace; a Serve replica, Serve's).
+        """
+        import ray
+
+        return sum(_remove(hex_id) for hex_id, entry in ray.util.placement_group_table().items()
+                   if entry.get("name") == name and entry.get("state") in _LIVE_GROUP_STATES)
+
+
+def _remove(hex_id: str) -> bool:
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(placement_group_by_id(hex_id))
+        return True
+    except Exception:  # removed meanwhile, or the cluster is gone
+        logger.debug("could not remove placement group %s", hex_id, exc_info=True)
+        return False
 
 
 def existing_placement_group(hex_id: str, world_size: int, timeout_s: float):
@@ -234,11 +306,11 @@ def existing_placement_group(hex_id: str, world_size: int, timeout_s: float):
 
 
 def placement_group_by_id(hex_id: str):
-    """A handle on an existing placement group from its hex id."""
-    from ray._raylet import PlacementGroupID
+    """A handle on an existing placement group from its hex id (public: ``ray.PlacementGroupID``)."""
+    import ray
     from ray.util.placement_group import PlacementGroup
 
-    return PlacementGroup(PlacementGroupID(bytes.fromhex(hex_id)))
+    return PlacementGroup(ray.PlacementGroupID.from_hex(hex_id))
 
 
 def placement_group_name(engine_name: str) -> str:
@@ -246,35 +318,8 @@ def placement_group_name(engine_name: str) -> str:
     return f"{engine_name}.ranks"
 
 
-def remove_named_placement_groups(name: str) -> int:
-    """Remove every live placement group called ``name`` (any namespace); how many were removed.
-
-    A backstop for a detached deployment whose engine was killed before its
-    executor could remove the group (nothing else would), and how the next
-    deployment of that name reclaims one left behind.
-    """
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    removed = 0
-    for hex_id, entry in ray.util.placement_group_table().items():
-        if entry.get("name") == name and entry.get("state") in ("CREATED", "PENDING", "RESCHEDULING"):
-            try:
-                remove_placement_group(placement_group_by_id(hex_id))
-                removed += 1
-            except Exception:  # removed meanwhile
-                logger.debug("could not remove placement group %s", hex_id, exc_info=True)
-    return removed
-
-
 def release_placement_group(engine_kwargs: dict[str, Any]) -> None:
-    """Remove the placement group ``configure_engine_kwargs`` reserved, if it did."""
+    """Release the placement group ``configure_engine_kwargs`` reserved, if it did."""
     plan = PlacementPlan.from_engine_kwargs(engine_kwargs)
-    if plan is None or not plan.owns_placement_group:
-        return
-    from ray.util.placement_group import remove_placement_group
-
-    try:
-        remove_placement_group(placement_group_by_id(plan.placement_group_id))
-    except Exception:
-        pass
+    if plan is not None:
+        RankReservation.of(plan).release()

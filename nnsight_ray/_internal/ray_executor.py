@@ -54,7 +54,7 @@ from collections import deque
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vllm import envs
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
@@ -64,8 +64,8 @@ from vllm.v1.executor.ray_env_utils import get_driver_env_vars
 from vllm.v1.executor.ray_executor_v2 import RayExecutorV2, RayWorkerHandle, RayWorkerProc
 from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
 
-from .options import (ADDITIONAL_CONFIG_KEY, NAMESPACE, PlacementPlan, RankPlacement, existing_placement_group,
-                      plan_placement, split_ray_options, world_size)
+from .options import (ADDITIONAL_CONFIG_KEY, NAMESPACE, PlacementPlan, RankPlacement, RankReservation,
+                      existing_placement_group, plan_placement, split_ray_options, world_size)
 from .topology import RankId, cpu_binding_plan
 
 logger = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ class NNsightRayExecutor(RayExecutorV2):
         self.failure_callback = None
         self.shutting_down = False
         self.shutdown_lock = threading.Lock()
-        self._owned_pg: PlacementGroup | None = None
+        self._reservation: RankReservation | None = None
 
         # Step 1: the cluster and the placement group (planned at launch).
         plan = self._plan()
@@ -259,8 +259,7 @@ class NNsightRayExecutor(RayExecutorV2):
             raise NotImplementedError("nnsight_ray's Ray executor does not support prefill context parallelism")
         engine = placement.engine_name or f"engine-{self.vllm_config.instance_id}"
         pg = existing_placement_group(plan.placement_group_id, self.world_size, placement.placement_timeout_s)
-        if plan.owns_placement_group:
-            self._owned_pg = pg
+        self._reservation = RankReservation.of(plan)  # released at shutdown, if the launch reserved it
         self.parallel_config.placement_group = pg
 
         # Step 2: each rank's bundle.
@@ -359,9 +358,6 @@ class NNsightRayExecutor(RayExecutorV2):
 
     def shutdown(self) -> None:
         super().shutdown()
-        pg, self._owned_pg = getattr(self, "_owned_pg", None), None
-        if pg is not None:
-            try:
-                remove_placement_group(pg)
-            except Exception:  # cluster already gone
-                logger.debug("could not remove placement group", exc_info=True)
+        reservation, self._reservation = getattr(self, "_reservation", None), None
+        if reservation is not None:
+            reservation.release()

@@ -355,7 +355,7 @@ def test_a_killed_driver_leaves_no_actor_and_no_reservation(ray_cluster, model_d
 def test_a_detached_reservation_stays_until_reclaimed_by_name(ray_cluster, tmp_path):
     """A detached deployment's group outlives its driver (and is removed by name: shutdown, or
     the next deployment of that name in deploy.launch)."""
-    from nnsight_ray._internal.options import placement_group_name, remove_named_placement_groups
+    from nnsight_ray._internal.options import RankReservation, placement_group_name
 
     name = "killed-driver-detached"
     script = tmp_path / "reserving_driver.py"
@@ -377,7 +377,7 @@ def test_a_detached_reservation_stays_until_reclaimed_by_name(ray_cluster, tmp_p
         driver.wait(timeout=30)
     time.sleep(3)
     assert _live_placement_groups(placement_group_name(name)) == ["CREATED"]
-    assert remove_named_placement_groups(placement_group_name(name)) == 1
+    assert RankReservation.reclaim(placement_group_name(name)) == 1
     assert _live_placement_groups(placement_group_name(name)) == []
 
 
