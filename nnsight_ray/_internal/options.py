@@ -154,9 +154,33 @@ def connect_ray(address: str | None = None) -> str:
             # No `_node_ip_address="127.0.0.1"` (a private keyword this passed
             # until Ray 2.60.0): Ray resolves a loopback address to the node's
             # routable IP anyway (`services.resolve_ip_for_localhost`), so it
-            # changed nothing.
+            # changed nothing. Ray 2.60's only switch for loopback is an
+            # environment variable read when `ray` is first imported; by now it
+            # has been, so say what was started and how to keep it local.
             ray.init(namespace=NAMESPACE, include_dashboard=False)
+            warn_if_reachable(ray.util.get_node_ip_address())
     return ray.get_runtime_context().gcs_address
+
+
+def warn_if_reachable(node_ip: str) -> bool:
+    """Warn (and say True) when a local Ray instance started here listens on a routable address.
+
+    Its GCS and raylet then accept connections from other machines, and a
+    connected Ray client can run code on this one.
+    """
+    import ipaddress
+
+    try:
+        if ipaddress.ip_address(node_ip).is_loopback:
+            return False
+    except ValueError:  # a host name
+        pass
+    logger.warning(
+        "started a local Ray instance on %s, which other machines can reach (Ray binds the node's IP). "
+        "To keep it on 127.0.0.1, set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before anything imports ray "
+        "(as `make demo` and the tests do), or start your own cluster and set RAY_ADDRESS (docs/clusters.md).",
+        node_ip)
+    return True
 
 
 def resolve_device(placement: RankPlacement) -> RankPlacement:

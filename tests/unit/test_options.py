@@ -129,3 +129,15 @@ def test_options_does_not_import_the_executor():
     code = ("import sys, nnsight_ray._internal.options, nnsight_ray.batch.config, nnsight_ray.serve.config; "
             "sys.exit('nnsight_ray._internal.ray_executor' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_local_ray_instance_on_a_routable_address_is_warned_about(caplog):
+    from nnsight_ray._internal.options import warn_if_reachable
+
+    with caplog.at_level("WARNING", logger="nnsight_ray._internal.options"):
+        assert not warn_if_reachable("127.0.0.1")
+        assert not warn_if_reachable("::1")
+        assert not caplog.records
+        assert warn_if_reachable("192.0.2.2")
+    (record,) = caplog.records
+    assert "192.0.2.2" in record.getMessage() and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in record.getMessage()
