@@ -79,14 +79,14 @@ class RemoteEngine:
     def records(self) -> Any:
         """Every actor of the deployment (``liveness.DeploymentRecords``), asked once of the engine."""
         if self._records is None:
-            from ._internal.liveness import ENGINE, MERGE, ActorRecord, DeploymentRecords
+            from ._internal.liveness import ENGINE, MERGE, ActorRecord, DeploymentRecords, actor_id
 
             try:
                 self._records = ray_errors.get(self.engine.get_records.remote(), timeout=PING_TIMEOUT_S)
             except Exception:  # the engine actor is gone: what the handles say
                 return DeploymentRecords(
-                    ActorRecord(ENGINE, self.deployment.spec.engine_name, self.engine._actor_id.hex()),
-                    [ActorRecord(MERGE, n, m._actor_id.hex())
+                    ActorRecord(ENGINE, self.deployment.spec.engine_name, actor_id(self.engine)),
+                    [ActorRecord(MERGE, n, actor_id(m))
                      for n, m in zip(self.deployment.spec.merge_names, self.merges)], [])
         return self._records
 

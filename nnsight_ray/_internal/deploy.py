@@ -32,8 +32,8 @@ import ray
 from ..errors import EngineDeadError, RequestError
 from . import metrics
 from .engine import Report
-from .liveness import (ENGINE, MERGE, ActorRecord, Cluster, DeathWatch, DeploymentRecords, EngineWatch, every,
-                       rank_records)
+from .liveness import (ENGINE, MERGE, ActorRecord, Cluster, DeathWatch, DeploymentRecords, EngineWatch, actor_id,
+                       every, rank_records)
 from .merge import MergeBook, trace_saves
 from .ray_errors import cause
 from .options import NAMESPACE, PlacementPlan, RankPlacement, RankReservation, placement_group_name, plan_placement, \
@@ -259,7 +259,7 @@ class EngineActor:
         context = ray.get_runtime_context()
         self.records = DeploymentRecords(
             engine=ActorRecord(ENGINE, spec.engine_name, context.get_actor_id(), context.get_node_id(), os.getpid()),
-            merges=[ActorRecord(MERGE, n, m._actor_id.hex()) for n, m in zip(spec.merge_names, self.merges)],
+            merges=[ActorRecord(MERGE, n, actor_id(m)) for n, m in zip(spec.merge_names, self.merges)],
             ranks=rank_records(self.topology))
         self.watch = DeathWatch(self.records, CLUSTER, self.core.core_processes)
         me = context.current_actor

@@ -93,6 +93,17 @@ class DeploymentRecords:
         return [self.engine, *self.others()]
 
 
+def actor_id(handle: Any) -> str:
+    """The hex Ray actor id of an actor handle.
+
+    Ray 2.60.0's ``ActorHandle`` has no public accessor for its id (an actor
+    can read its own with ``get_runtime_context().get_actor_id()``, a holder
+    of its handle cannot), so this reads the handle's private ``_actor_id``
+    property: the one place this project does.
+    """
+    return handle._actor_id.hex()
+
+
 def rank_records(topology: list[dict[str, Any]]) -> list[ActorRecord]:
     """The ranks of ``EngineActor.get_topology()``, in rank order."""
     return [ActorRecord(RANK, t["actor_name"], t.get("actor_id"), t.get("node_id"), t.get("pid"),
