@@ -98,8 +98,14 @@ node_ports() {
          "--runtime-env-agent-port=$(( base + 5 )) --metrics-export-port=$(( base + 6 ))"
 }
 
+# The GCS declares a lost raylet dead after 3 failed health checks, one a
+# second (~3 s for a killed raylet; Ray's defaults take ~13 s, over the 10 s in
+# which nnsight_ray fails every waiter of a deployment that lost a node). Only
+# the GCS reads these; the 2 s timeout is a margin against a starved raylet
+# (docs/clusters.md, "A lost node"; the same as nnsight_ray.batch.local_cluster).
 start_head() {
     # shellcheck disable=SC2046  # node_ports is a list of flags
+    RAY_health_check_period_ms=1000 RAY_health_check_timeout_ms=2000 RAY_health_check_failure_threshold=3 \
     ray_cli start --head --port="$PORT" --node-ip-address=127.0.0.1 $(node_ports 0) \
         --num-cpus="$HEAD_CPUS" --num-gpus=0 --resources='{"node_head": 1}' \
         --object-store-memory="$OBJECT_STORE_BYTES" --temp-dir="$TEMP_DIR" \

@@ -47,25 +47,18 @@ def gpt2_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """Four raylets on 127.0.0.1: a 2-CPU head and three 4-CPU "nodes".
+    """Four raylets on 127.0.0.1: a 2-CPU head and three 4-CPU "nodes" (the project's ``LocalCluster``).
 
     CPU counts are logical (Ray's accounting): several session engines hold
     their bundles at once. The driver (pytest) joins in the ``nnsight_ray``
-    namespace for the whole session.
+    namespace for the whole session. The GCS declares a lost raylet dead in
+    about 3 s (``local_cluster.HEALTH_CHECK``); ``add_node``/``remove_node``
+    give a test a raylet of its own to lose (test_node_loss.py).
     """
-    import ray
-    from ray.cluster_utils import Cluster
+    from nnsight_ray.batch.local_cluster import LocalCluster
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False},
-    )
-    for _ in range(3):
-        cluster.add_node(num_cpus=4, node_ip_address="127.0.0.1")
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="nnsight_ray")
+    cluster = LocalCluster(4, cpus_per_node=4, head_cpus=2)
     yield cluster
-    ray.shutdown()
     cluster.shutdown()
 
 

@@ -11,6 +11,10 @@ starting raylet a fixed 30 s to register with the GCS
 fail ("The current node timed out during startup"). It is then retried, after
 ending the processes the failed attempt started (this process's new
 children, by pid), so nothing is left behind.
+
+The GCS here declares a lost raylet dead within ``HEALTH_CHECK`` (about 3 s
+for a killed raylet, 13 s with Ray's defaults; docs/clusters.md, "A lost
+node"), so a deployment that loses a node fails every waiter within 10 s.
 """
 
 from __future__ import annotations
@@ -25,6 +29,20 @@ logger = logging.getLogger(__name__)
 __all__ = ["LocalCluster"]
 
 _ATTEMPTS = 3
+
+#: The GCS's raylet health check (Ray 2.60 ``ray_config_def.h``; Ray's defaults:
+#: period 3000 ms, timeout 10000 ms, threshold 5, initial delay 5000 ms). The
+#: GCS declares a raylet dead after ``threshold`` failed checks in a row, one
+#: per period. A killed raylet's port refuses at once, so it is found in about
+#: threshold x period: 3 s here (measured 2.9 s by test_node_loss.py), 13 s with
+#: the defaults; plus up to the initial delay, kept at Ray's 5 s, for a raylet
+#: lost within seconds of joining (not yet hosting ranks). On one machine a
+#: raylet never vanishes without closing its port, so the timeout only guards
+#: against false positives: a live raylet is declared dead (and exits) only if
+#: its gRPC server leaves three checks in a row unanswered for 2 s each and it
+#: sends no resource report meanwhile, some 8 s of silence, where a loaded
+#: 2-core CI machine delays an answer by milliseconds (docs/clusters.md, "A lost node").
+HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_timeout_ms": 2000, "health_check_failure_threshold": 3}
 
 
 _PORT_ARGS = ("node_manager_port", "object_manager_port", "dashboard_agent_listen_port", "metrics_agent_port",
@@ -68,9 +86,14 @@ def _children() -> set[int]:
 
 
 class LocalCluster:
-    """``n`` raylets on 127.0.0.1 (a head and ``n - 1`` nodes), this process joined as the driver."""
+    """``n`` raylets on 127.0.0.1 (a head and ``n - 1`` nodes), this process joined as the driver.
 
-    def __init__(self, n: int, cpus_per_node: int = 2, log_to_driver: bool = True) -> None:
+    ``head_cpus``: the head's CPUs (default ``cpus_per_node``). ``add_node`` and
+    ``remove_node`` change the cluster later (a test's dedicated raylet).
+    """
+
+    def __init__(self, n: int, cpus_per_node: int = 2, log_to_driver: bool = True,
+                 head_cpus: int | None = None) -> None:
         if n < 1:
             raise ValueError(f"--local-cluster {n}: need at least one raylet")
         # Before Ray is imported: every raylet and this driver bind 127.0.0.1.
@@ -86,7 +109,7 @@ class LocalCluster:
         for attempt in range(1, _ATTEMPTS + 1):
             before = _children()
             try:
-                self.cluster = self._start(n, cpus_per_node)
+                self.cluster = self._start(n, cpus_per_node, cpus_per_node if head_cpus is None else head_cpus)
                 break
             except Exception as error:
                 if "timed out during startup" not in str(error) or attempt == _ATTEMPTS:
@@ -97,13 +120,13 @@ class LocalCluster:
         self.address = self.cluster.address
 
     @staticmethod
-    def _start(n: int, cpus_per_node: int):
+    def _start(n: int, cpus_per_node: int, head_cpus: int):
         from ray.cluster_utils import Cluster
 
         cluster = Cluster(
             initialize_head=True,
-            head_node_args={"num_cpus": cpus_per_node, "node_ip_address": "127.0.0.1", "include_dashboard": False,
-                            **_ports()},
+            head_node_args={"num_cpus": head_cpus, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+                            "_system_config": dict(HEALTH_CHECK), **_ports()},
         )
         try:
             for _ in range(n - 1):
@@ -131,6 +154,21 @@ class LocalCluster:
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
+
+    def add_node(self, num_cpus: int, resources: dict[str, float] | None = None):
+        """One more raylet (``ray._private.node.Node``); returned for ``remove_node``. Waits until it registered."""
+        node = self.cluster.add_node(num_cpus=num_cpus, resources=resources or {}, node_ip_address="127.0.0.1",
+                                     **_ports())
+        self.cluster.wait_for_nodes()
+        return node
+
+    def remove_node(self, node, allow_graceful: bool = True) -> None:
+        """End one raylet's processes; ``allow_graceful=False`` SIGKILLs them, as a lost machine would.
+
+        Its workers (actors) then exit on their own; the GCS learns of the
+        loss only from its health checks (``HEALTH_CHECK``), as on a real cluster.
+        """
+        self.cluster.remove_node(node, allow_graceful=allow_graceful)
 
     def shutdown(self) -> None:
         import ray

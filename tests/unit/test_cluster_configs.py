@@ -454,3 +454,38 @@ def test_docs_page_covers_configs_env_and_pitfalls():
         assert path.name in text, path.name
     for needle in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "VLLM_HOST_IP", "ray://", "placement_timeout_s"):
         assert needle in text, needle
+
+
+# --------------------------------------------------------------------------- a lost node
+
+# The GCS health check every head here starts with (docs/clusters.md, "A lost node"):
+# a lost node is declared dead in ~3 s, not Ray's 13-65 s.
+REAL_HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
+                     "health_check_failure_threshold": 3}
+
+
+def env_settings(text: str) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"RAY_(health_check_\w+)=(\d+)", text)}
+
+
+def test_every_head_starts_its_gcs_with_the_node_loss_health_check():
+    from ray._raylet import Config
+
+    from nnsight_ray.batch.local_cluster import HEALTH_CHECK
+
+    for name in {*REAL_HEALTH_CHECK, *HEALTH_CHECK}:
+        assert hasattr(Config, name), f"{name} is not a Ray setting"
+    assert HEALTH_CHECK.keys() == REAL_HEALTH_CHECK.keys()
+    assert env_settings(LOCAL_SCRIPT.read_text()) == HEALTH_CHECK, "local-multinode.sh: as LocalCluster"
+    launcher = load_one(LAUNCHER)
+    assert env_settings(" ".join(launcher["head_start_ray_commands"])) == REAL_HEALTH_CHECK
+    assert not env_settings(" ".join(launcher["worker_start_ray_commands"])), "only the GCS reads them"
+    for path, kind, key in [(RAYCLUSTER, "RayCluster", None), (RAYJOB, "RayJob", "rayClusterSpec"),
+                            (RAYSERVICE, "RayService", "rayClusterConfig")]:
+        spec = by_kind(path, kind)["spec"]
+        spec = spec[key] if key else spec
+        env = {e["name"]: e.get("value") for e in spec["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
+        assert {k[4:]: int(v) for k, v in env.items() if k.startswith("RAY_health_check")} == REAL_HEALTH_CHECK, \
+            path.name
+    docs = (ROOT / "docs" / "clusters.md").read_text()
+    assert all(name in docs for name in REAL_HEALTH_CHECK) and "## A lost node" in docs
