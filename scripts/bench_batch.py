@@ -110,7 +110,7 @@ def main() -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from nnsight_ray.batch.config import validate
-    from nnsight_ray.batch.runner import prepare
+    from nnsight_ray.batch.preflight import prepare
     from nnsight_ray.models import ensure_model
 
     work = Path(tempfile.mkdtemp(prefix="bench_batch_"))

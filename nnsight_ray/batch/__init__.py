@@ -8,10 +8,11 @@ Entry points: ``python -m nnsight_ray.batch --config run.yaml`` (and
     print(result.summary())
 
 Modules, one role each: ``config`` (the YAML schema), ``prompts`` (reading
-them), ``interventions`` (what runs in each invoke), ``scheduler`` (which
-prompts go where, failure rules), ``shards`` (the run folder on disk),
-``progress``, ``runner`` (the run itself; the Ray edge). Format and semantics:
-docs/batch.md.
+them), ``interventions`` (what runs in each invoke), ``preflight`` (every
+input checked before an engine starts), ``replicas`` (the engines and their
+traces: the Ray edge), ``scheduler`` (which prompts go where, failure rules),
+``shards`` (the run folder on disk), ``progress``, ``runner`` (the run
+itself). Format and semantics: docs/batch.md.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         # Everything about the inputs (module paths against the meta tree,
         # engine arguments, prompts, the output folder) is checked before Ray
         # is touched, so a typo costs seconds, not a cluster start.
-        from .runner import prepare
+        from .preflight import prepare
 
         config = load_config(args.config, args.overrides)
         prepared = prepare(config, args.config)

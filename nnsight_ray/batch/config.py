@@ -17,7 +17,7 @@ The schema (agreed with ``cluster_configs/``; every section but ``model``,
 Unknown keys are refused with the allowed ones listed (a typo would otherwise
 silently fall back to a default). Loading checks shapes and values only: files
 named by the config are checked by the runner's preflight
-(``nnsight_ray.batch.runner.prepare``), before any engine starts, so a config
+(``nnsight_ray.batch.preflight.prepare``), before any engine starts, so a config
 can be validated on a machine that has none of them (CI, a laptop).
 
 Overrides (``--set key.sub=value``) are applied to the parsed YAML before

@@ -2,16 +2,12 @@
 
 The steps, in order:
 
-1. *Prepare* (``prepare``), before any engine starts: read the prompts, load the
-   intervention file or resolve every save location on nnsight's meta tree of
-   the model (built from the config only, no weights), check the engine
-   arguments against vLLM's, build the tiny test model if asked, and refuse an
-   output folder written from other inputs. Every mistake a config can hold
-   fails here, in seconds, with the key or file named.
+1. *Prepare* (``preflight.prepare``), before any engine starts: every input
+   checked, every mistake a config can hold reported in seconds.
 2. *Plan*: prompts split into shards of ``output.shard_size`` in file order;
    shards already complete on disk (see ``shards``) are skipped.
-3. *Engines*: ``engine.replicas`` independent ``RayVLLM`` deployments (or the
-   engines/named deployments a caller hands in).
+3. *Engines* (``replicas``): ``engine.replicas`` independent ``RayVLLM``
+   deployments (or the engines/named deployments a caller hands in).
 4. *Loop*: each replica keeps up to ``runner.max_in_flight`` prompts in flight
    as non-blocking traces of ``runner.prompts_per_trace`` invokes; results are
    taken as they resolve (``ray.wait``), failures handled as ``scheduler``
@@ -19,303 +15,36 @@ The steps, in order:
 5. *Finish*: the manifest, a summary; a ``BatchRunError`` if any shard could not
    be finished (the next run of the same command resumes it).
 
-Ray calls are confined to ``_Replica`` and ``BatchRunner._wait``; everything
+Ray calls are confined to ``replicas`` and ``BatchRunner._wait``; everything
 else is plain Python over the scheduler and the run folder.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import platform as _platform
-import re
 import socket
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, Sequence, TextIO
 
 from .config import BatchConfig
-from .errors import BatchConfigError, BatchRunError
-from .interventions import SaveRead, load_intervention, reader, resolve_saves
+from .errors import BatchRunError
+from .preflight import Prepared, prepare
 from .progress import Progress, format_duration
-from .prompts import Prompt, file_digest, read_prompts
+from .replicas import InFlight, Replica, classify, error_info, start_replicas, submit_trace
 from .scheduler import Chunk, Scheduler, ShardState
-from .shards import RunDir, ShardPlan, ShardRecord, plan_shards
+from .shards import ShardPlan, ShardRecord
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BatchResult", "BatchRunner", "Prepared", "prepare", "run_batch"]
 
-# RayVLLM options that may ride engine_kwargs besides vLLM's own arguments.
-_RAYVLLM_OPTIONS = {"placement_timeout_s", "cpu_binding", "num_merge_actors"}
 _MANIFEST_EVERY_S = 1.0
-
-
-# --------------------------------------------------------------------------- prepare
-
-
-@dataclass
-class Prepared:
-    """Everything a run needs, checked; no engine, no Ray."""
-
-    config: BatchConfig
-    config_file: str | None
-    model_path: str
-    prompts: list[Prompt]
-    plans: list[ShardPlan]
-    fn: Callable[[Any, Any], dict[str, Any]]
-    columns: list[str]
-    reads: tuple[SaveRead, ...]
-    run_dir: RunDir
-    previous: dict[str, Any] | None
-
-
-def prepare(config: BatchConfig, config_file: str | None = None, resolve: bool = True) -> Prepared:
-    """Check every input of ``config`` before any engine starts.
-
-    ``resolve=False`` skips what needs vLLM (building the model, the engine
-    argument names, the meta tree): the cheap checks only.
-    """
-    prompts = read_prompts(_abs(config.prompts.path), config.prompts.id_field, config.prompts.text_field)
-    if config.intervention:
-        fn, code_digest = load_intervention(_abs(config.intervention))
-        columns: list[str] = []
-    else:
-        fn, code_digest = None, None
-        columns = [s.location for s in config.saves or []]
-    model_path = _model_path(config) if resolve else str(config.model.path)
-    reads: tuple[SaveRead, ...] = ()
-    if resolve:
-        _check_engine_kwargs(config.engine.engine_kwargs)
-        module = _meta_module(model_path, config.engine.engine_kwargs)
-        if config.saves:
-            reads = resolve_saves(module, config.saves)
-    if fn is None:
-        fn = reader(reads)
-    fingerprint = {
-        "model": {"path": model_path, "build_arch": config.model.build_arch},
-        "prompts": {"sha256": file_digest(_abs(config.prompts.path)), "id_field": config.prompts.id_field,
-                    "text_field": config.prompts.text_field, "count": len(prompts)},
-        "saves": [s.model_dump() for s in config.saves] if config.saves else None,
-        "intervention_sha256": code_digest,
-        "sampling": config.sampling.model_dump(),
-        "shard_size": config.output.shard_size,
-    }
-    run_dir = RunDir(_abs(config.output.dir), fingerprint)
-    previous = run_dir.check_compatible()
-    return Prepared(config, config_file, model_path, prompts, plan_shards(prompts, config.output.shard_size),
-                    fn, columns, reads, run_dir, previous)
-
-
-def _abs(path: str) -> Path:
-    return Path(path).expanduser().resolve()
-
-
-def _model_path(config: BatchConfig) -> str:
-    raw = config.model.path
-    path = _abs(raw)
-    if config.model.build_arch:
-        from ..models import ensure_model
-
-        if not path.exists() or not any(path.iterdir()):
-            logger.info("building the tiny %s test model at %s", config.model.build_arch, path)
-            ensure_model(path, arch=config.model.build_arch)
-        elif (path / "nnsight_ray_model.json").exists():
-            ensure_model(path, arch=config.model.build_arch)
-        elif not (path / "config.json").exists():
-            raise BatchConfigError(
-                f"model.path {raw!r}: the folder exists, is not empty and holds no checkpoint (config.json); "
-                "model.build_arch only builds into a missing or empty folder"
-            )
-        return str(path)
-    if path.exists():
-        return str(path)
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", raw) and not raw.startswith("."):
-        return raw  # a hub id: vLLM resolves it (HF_HOME on every node)
-    raise BatchConfigError(
-        f"model.path {raw!r}: no such folder (from {Path.cwd()}); point it at a checkpoint, "
-        "or set model.build_arch (llama|gpt2) to build the tiny test model there"
-    )
-
-
-def _check_engine_kwargs(kwargs: dict[str, Any]) -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
-    known = {f.name for f in dataclasses.fields(EngineArgs)} | _RAYVLLM_OPTIONS
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        import difflib
-
-        hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
-        described = ", ".join(f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in unknown)
-        raise BatchConfigError(
-            f"engine.engine_kwargs: unknown vLLM engine argument(s) {described}; "
-            "see `vllm serve --help` (argument names with '_' for '-')"
-        )
-
-
-def _meta_module(model_path: str, engine_kwargs: dict[str, Any]) -> Any:
-    """nnsight's meta tree of the model (structure only, no weights, no engine)."""
-    from nnsight.modeling.vllm import VLLM
-
-    from ..local import LocalVLLM
-
-    kwargs = {k: v for k, v in engine_kwargs.items() if k not in _RAYVLLM_OPTIONS}
-    try:
-        meta = LocalVLLM(model_path, **kwargs)
-    except Exception as error:
-        raise BatchConfigError(
-            f"model.path {model_path!r}: vLLM could not build the model's structure: {type(error).__name__}: {error}"
-        ) from error
-    module = meta._module
-    # The single-rank process group the meta build brought up would collide
-    # with the next one (each RayVLLM client builds its own meta tree).
-    if meta._owns_distributed:
-        VLLM._cleanup_distributed()
-    return module
-
-
-# --------------------------------------------------------------------------- replicas (Ray edge)
-
-
-def submit_trace(model: Any, texts: list[str], fn: Callable, sampling: dict[str, Any]) -> Any:
-    """One non-blocking trace, one invoke per prompt; its ref resolves to ``{"rows": [...]}`` (or raises).
-
-    ``rows`` is bound and saved above the invokes, so each request's copy
-    carries its own slot and nnsight merges them slot-wise.
-    """
-    import nnsight
-
-    with model.trace(blocking=False, **sampling) as tracer:
-        rows = nnsight.save([None] * len(texts))
-        for i, text in enumerate(texts):
-            with tracer.invoke(text):
-                rows[i] = fn(model, tracer)
-    return tracer.ref
-
-
-@dataclass
-class _InFlight:
-    chunk: Chunk
-    replica: "_Replica"
-    submitted: float
-
-
-class _Replica:
-    """One engine deployment and the traces it has in flight."""
-
-    def __init__(self, index: int, model: Any, owned: bool, start_s: float = 0.0) -> None:
-        self.index = index
-        self.model = model
-        self.owned = owned
-        self.start_s = start_s
-        self.generation = 0
-        self.restarts = 0
-        self.alive = True
-        self.in_flight: dict[Any, _InFlight] = {}
-        self.prompts_in_flight = 0
-        self.served = 0
-        self.topology: list[dict[str, Any]] = []
-        try:
-            self.topology = model.topology()
-        except Exception:  # a LocalVLLM-like engine without one
-            logger.debug("replica %d has no topology", index, exc_info=True)
-
-    @property
-    def name(self) -> str:
-        return getattr(self.model, "name", None) or f"replica{self.index}"
-
-    def describe(self) -> dict[str, Any]:
-        # From the ranks themselves: a client attached by name does not know the layout.
-        return {
-            "index": self.index,
-            "name": self.name,
-            "owned": self.owned,
-            "alive": self.alive,
-            "restarts": self.restarts,
-            "start_s": round(self.start_s, 3),
-            "tensor_parallel_size": len({t.get("tp_rank") for t in self.topology}) or None,
-            "pipeline_parallel_size": len({t.get("pp_rank") for t in self.topology}) or None,
-            "prompts_served": self.served,
-            "topology": self.topology,
-        }
-
-    def shutdown(self) -> None:
-        if self.owned and self.model is not None:
-            try:
-                self.model.shutdown()
-            except Exception:
-                logger.warning("replica %s did not shut down cleanly", self.name, exc_info=True)
-
-
-def _start_replicas(indices: Sequence[int], prepared: Prepared, tag: str, generation: int = 0) -> list[_Replica]:
-    """Start the engine deployments together (``RayVLLM.start_many``), one client each.
-
-    Their starts overlap: N replicas take about as long as one where nodes are
-    separate. If one fails, the others are shut down and its error is raised.
-    """
-    from ..ray_vllm import RayVLLM
-
-    engine = prepared.config.engine
-    names = [f"batch-{tag}-r{i}" + (f"-g{generation}" if generation else "") for i in indices]
-    for name in names:
-        logger.info("starting engine replica %s (tp=%d, pp=%d, %s)", name, engine.tensor_parallel_size,
-                    engine.pipeline_parallel_size, engine.placement_strategy)
-    started = time.monotonic()
-    models = RayVLLM.start_many(
-        prepared.model_path, {name: {} for name in names}, **engine.engine_kwargs,
-        **engine.placement.model_dump(exclude_defaults=True), tensor_parallel_size=engine.tensor_parallel_size,
-        pipeline_parallel_size=engine.pipeline_parallel_size,
-    )
-    start_s = time.monotonic() - started
-    replicas = []
-    for index, name in zip(indices, names):
-        replica = _Replica(index, models[name], owned=True, start_s=start_s)
-        replica.generation = generation
-        replicas.append(replica)
-        logger.info("replica %s ready in %.1f s: %s", name, start_s, _where(replica.topology))
-    return replicas
-
-
-def _where(topology: list[dict[str, Any]]) -> str:
-    return ", ".join(f"pp{t.get('pp_rank')}.tp{t.get('tp_rank')} on node {str(t.get('node_id'))[:8]}"
-                     for t in sorted(topology, key=lambda t: t.get("rank", 0))) or "?"
-
-
-def _classify(error: BaseException) -> str:
-    """``"lost"`` when the engine (not the request) failed, else ``"request"``."""
-    import ray
-
-    from ..errors import NNsightRayError
-
-    if isinstance(error, NNsightRayError) and not error.recoverable:
-        return "lost"  # the engine is gone (EngineDeadError), not just this request
-    if isinstance(error, ray.exceptions.RayError) and not isinstance(error, ray.exceptions.RayTaskError):
-        return "lost"  # object lost, owner died, actor died
-    return "request"
-
-
-_TYPED_MESSAGE = re.compile(r"^(\w+(?:\.\w+)*): (.*)$", re.S)
-
-
-def _error_info(type_name: str, message: str, traceback: str | None = None) -> dict[str, Any]:
-    """``{"type", "message", "traceback"}``, unwrapping nnsight's ``RuntimeError("ValueError: ...")``."""
-    head, _, rest = message.partition("\n\nIntervention traceback:\n")
-    match = _TYPED_MESSAGE.match(head)
-    if type_name in ("RuntimeError", "RequestError") and match:
-        type_name, head = match.group(1).rsplit(".", 1)[-1], match.group(2)
-    elif match and match.group(1) == type_name:
-        head = match.group(2)
-    info = {"type": type_name, "message": head.strip()}
-    # The intervention's own traceback (inside nnsight's message) points at the
-    # user's line; the deferred one only at where it was re-raised.
-    if rest or traceback:
-        info["traceback"] = (rest or traceback).rstrip()
-    return info
 
 
 # --------------------------------------------------------------------------- the run
@@ -376,7 +105,7 @@ class BatchRunner:
         self.stream = stream or sys.stdout
         self.interactive = interactive
         self.tag = uuid.uuid4().hex[:6]
-        self.replicas: list[_Replica] = []
+        self.replicas: list[Replica] = []
         self.records: dict[int, ShardRecord] = {}
         self.failed: dict[int, str] = {}
         self.started_at = time.time()
@@ -407,11 +136,11 @@ class BatchRunner:
             started = time.monotonic()
             try:
                 for index, engine in enumerate(self.engines):
-                    self.replicas.append(_Replica(index, engine, owned=False))
+                    self.replicas.append(Replica(index, engine, owned=False))
                 for name in self.connect:
-                    self.replicas.append(_Replica(len(self.replicas), RayVLLM.connect(name), owned=False))
+                    self.replicas.append(Replica(len(self.replicas), RayVLLM.connect(name), owned=False))
                 if not self.replicas:
-                    self.replicas = _start_replicas(range(self.config.engine.replicas), prepared, self.tag)
+                    self.replicas = start_replicas(range(self.config.engine.replicas), prepared, self.tag)
                 self.engine_start_s = time.monotonic() - started
                 self._write_manifest(force=True)
                 self._loop(todo, skipped_prompts)
@@ -469,7 +198,7 @@ class BatchRunner:
 
     # -- submitting -----------------------------------------------------------
 
-    def _fill(self, replica: _Replica, scheduler: Scheduler, sampling: dict, progress: Progress) -> None:
+    def _fill(self, replica: Replica, scheduler: Scheduler, sampling: dict, progress: Progress) -> None:
         window = self.config.runner.max_in_flight
         while replica.alive:
             chunk = scheduler.next_chunk(window - replica.prompts_in_flight)
@@ -480,12 +209,12 @@ class BatchRunner:
                 ref = submit_trace(replica.model, scheduler.prompts(chunk), self.prepared.fn, sampling)
             except Exception as error:
                 # The client could not even build the trace: a request failure of its prompts.
-                self._handle(_InFlight(chunk, replica, time.monotonic()), error, scheduler, progress)
+                self._handle(InFlight(chunk, replica, time.monotonic()), error, scheduler, progress)
                 continue
-            replica.in_flight[ref] = _InFlight(chunk, replica, time.monotonic())
+            replica.in_flight[ref] = InFlight(chunk, replica, time.monotonic())
             replica.prompts_in_flight += len(chunk)
 
-    def _wait(self, in_flight: dict[Any, _InFlight]) -> list[tuple[Any, Any]]:
+    def _wait(self, in_flight: dict[Any, InFlight]) -> list[tuple[Any, Any]]:
         """Resolved refs with their result (``{"saves", "error"}``) or the exception."""
         import ray
 
@@ -505,16 +234,16 @@ class BatchRunner:
 
     # -- results --------------------------------------------------------------
 
-    def _handle(self, entry: _InFlight, outcome: Any, scheduler: Scheduler, progress: Progress) -> None:
+    def _handle(self, entry: InFlight, outcome: Any, scheduler: Scheduler, progress: Progress) -> None:
         chunk = entry.chunk
         if isinstance(outcome, BaseException):
-            if _classify(outcome) == "lost":
+            if classify(outcome) == "lost":
                 self._replica_failed(entry.replica, f"{type(outcome).__name__}: {outcome}", scheduler, [chunk])
                 return
             deferred = getattr(outcome, "deferred", None)  # an intervention's error: nnsight's wire form
-            info = (_error_info(deferred.get("type_name", "Exception"), deferred.get("message", ""),
+            info = (error_info(deferred.get("type_name", "Exception"), deferred.get("message", ""),
                                 deferred.get("traceback")) if deferred
-                    else _error_info(type(outcome).__name__, str(outcome)))
+                    else error_info(type(outcome).__name__, str(outcome)))
             self._request_failed(chunk, info, scheduler, progress)
             return
         rows = outcome.get("rows")
@@ -557,7 +286,7 @@ class BatchRunner:
                 self._replica_failed(replica, f"a trace was not back after {limit:.0f} s (runner.request_timeout_s)",
                                      scheduler, [])
 
-    def _replica_failed(self, replica: _Replica, reason: str, scheduler: Scheduler, extra: list[Chunk]) -> None:
+    def _replica_failed(self, replica: Replica, reason: str, scheduler: Scheduler, extra: list[Chunk]) -> None:
         failure = f"replica {replica.name}: {reason}"
         logger.error("engine failure: %s; %d trace(s) in flight go back to the queue", failure,
                      len(replica.in_flight) + len(extra))
@@ -576,7 +305,7 @@ class BatchRunner:
             return
         replica.shutdown()
         try:
-            (fresh,) = _start_replicas([replica.index], self.prepared, self.tag, replica.generation + 1)
+            (fresh,) = start_replicas([replica.index], self.prepared, self.tag, replica.generation + 1)
         except Exception:
             logger.exception("could not restart replica %s; retired", replica.name)
             return

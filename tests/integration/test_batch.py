@@ -363,7 +363,7 @@ def no_engines(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an engine was started")
 
-    monkeypatch.setattr(runner, "_start_replicas", refuse)
+    monkeypatch.setattr(runner, "start_replicas", refuse)
     monkeypatch.setattr(deploy, "launch", refuse)
 
 

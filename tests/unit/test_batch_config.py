@@ -18,9 +18,10 @@ import yaml
 from nnsight_ray.batch.config import BatchConfig, apply_overrides, load_config, validate
 from nnsight_ray.batch.errors import BatchConfigError
 from nnsight_ray.batch.interventions import SaveRead, load_intervention, resolve_saves, to_residual
+from nnsight_ray.batch.preflight import prepare
 from nnsight_ray.batch.progress import Progress
 from nnsight_ray.batch.prompts import Prompt, read_prompts
-from nnsight_ray.batch.runner import _error_info, prepare
+from nnsight_ray.batch.replicas import error_info
 from nnsight_ray.batch.scheduler import Scheduler
 from nnsight_ray.batch.shards import RunDir, plan_shards
 
@@ -306,12 +307,12 @@ def test_layer_outputs_are_saved_as_the_residual_stream():
 
 
 def test_nnsight_error_messages_are_unwrapped():
-    info = _error_info("RuntimeError", "ValueError: seven tokens\n\nIntervention traceback:\n  File x, line 3")
+    info = error_info("RuntimeError", "ValueError: seven tokens\n\nIntervention traceback:\n  File x, line 3")
     assert info == {"type": "ValueError", "message": "seven tokens", "traceback": "  File x, line 3"}
-    assert _error_info("ValueError", "ValueError: boom") == {"type": "ValueError", "message": "boom"}
-    wrapped = _error_info("RuntimeError", "KeyError: 'k'\n\nIntervention traceback:\n  user line", "  merge line")
+    assert error_info("ValueError", "ValueError: boom") == {"type": "ValueError", "message": "boom"}
+    wrapped = error_info("RuntimeError", "KeyError: 'k'\n\nIntervention traceback:\n  user line", "  merge line")
     assert wrapped["traceback"] == "  user line" and wrapped["type"] == "KeyError"
-    assert _error_info("ValueError", "prompt too long")["message"] == "prompt too long"
+    assert error_info("ValueError", "prompt too long")["message"] == "prompt too long"
 
 
 # --------------------------------------------------------------------------- scheduler
