@@ -99,6 +99,10 @@ def engine_args(spec: Any) -> dict[str, Any]:
     return {"model": spec.model, "worker_cls": platform.worker_cls(), "enforce_eager": True, **kwargs}
 
 
+# How long a dead engine's loop serves its waiters before vLLM's (blocking) shutdown.
+SHUTDOWN_AFTER_DEATH_S = 0.5
+
+
 @dataclass
 class _End:
     """The last item of a stream's queue: how its request ended."""
@@ -321,6 +325,12 @@ class EngineCore:
             self._flush.cancel()
         for task in list(self._tasks):
             task.cancel()
+        # vLLM's shutdown blocks this event loop (seconds, waiting on its
+        # engine-core process): the cancelled tasks, and the streams they end,
+        # get this loop first, so no waiter learns of the death only after it.
+        asyncio.get_running_loop().call_later(SHUTDOWN_AFTER_DEATH_S, self._shutdown_llm)
+
+    def _shutdown_llm(self) -> None:
         try:
             self.llm.shutdown()
         except Exception:

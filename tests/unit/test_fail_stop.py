@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,7 @@ import pytest
 from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
 
 from nnsight_ray._internal import liveness
-from nnsight_ray._internal.engine import EngineCore, Report
+from nnsight_ray._internal.engine import SHUTDOWN_AFTER_DEATH_S, EngineCore, Report
 from nnsight_ray._internal.liveness import ActorRecord, ActorState
 from nnsight_ray._internal.merge import MergeBook
 from nnsight_ray._internal.payload import dumps
@@ -103,7 +104,7 @@ def test_engine_death_while_requests_explain_it_still_reports_every_request_once
         h.core.submit("g", ["die", "die", "die", "hang"], [None] * 4)
         await _settle()
         h.llm.die.set()
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3 + SHUTDOWN_AFTER_DEATH_S)  # vLLM's shutdown comes after the waiters
         return h
 
     h = asyncio.run(scenario())
@@ -177,6 +178,32 @@ def test_stream_ends_with_the_engines_error_when_it_dies():
     h, seen, caught = asyncio.run(scenario())
     assert len(seen) == 1 and "e.engine" in str(caught)
     assert list(h.by_id()) == ["s-0"]
+
+
+def test_every_waiter_hears_of_the_death_before_vllms_blocking_shutdown():
+    """vLLM's shutdown blocks the loop for seconds; a stream must not wait behind it (was 6 s vs 3 s)."""
+    async def scenario():
+        h = Harness()
+        order: list[str] = []
+        h.llm.shutdown = lambda: (order.append("shutdown"), time.sleep(0.3))
+
+        async def consume():
+            try:
+                async for _ in h.core.stream("s", "hang", None):
+                    pass
+            except EngineDeadError:
+                order.append("stream")
+
+        consumer = asyncio.ensure_future(consume())
+        h.core.submit("g", ["hang"], [None])
+        await _settle()
+        await h.core.fail(EngineDeadError("the engine is dead: rank e.pp0.tp1 died"))
+        await asyncio.wait_for(consumer, 2)
+        order.append("reported" if "g-0" in h.by_id() else "unreported")
+        await asyncio.sleep(SHUTDOWN_AFTER_DEATH_S + 0.4)
+        return order
+
+    assert asyncio.run(scenario()) == ["stream", "reported", "shutdown"]
 
 
 def test_stream_closed_early_aborts_and_reports():
