@@ -55,7 +55,7 @@ GROUP_TTL_S = float(os.environ.get("NNSIGHT_RAY_GROUP_TTL_S", "3600"))
 WATCH_PERIOD_S = 1.0
 PING_TIMEOUT_S = 10.0
 # How long a merge actor that saw a rank fail waits for the engine actor to declare the death.
-DECLARED_WAIT_S = 5.0
+DECLARED_WAIT_S = 7.0  # the engine holds a kill-only death back up to DeathWatch.KILL_GRACE_S (3 s)
 
 
 # Per-node settings: forwarding them would make a remote node advertise this one's.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -147,13 +148,44 @@ def first_dead(states: list[ActorState]) -> ActorState | None:
     return dead[0] if dead else None
 
 
+# The GCS's cause for an actor ended by ``ray.kill``: what vLLM's executor does
+# to every rank (survivors included) once its monitor sees one rank fail.
+RAY_KILL_CAUSE = "killed by `ray.kill`"
+
+
+def killed(state: ActorState) -> bool:
+    """Ended by ``ray.kill`` (a user, or vLLM's executor stopping the survivors)."""
+    return RAY_KILL_CAUSE in state.cause
+
+
+def on_lost_node(state: ActorState, alive_nodes: set[str] | None) -> bool:
+    node = state.node_id or state.record.node_id
+    return alive_nodes is not None and node is not None and node not in alive_nodes
+
+
+def blamed(states: list[ActorState], alive_nodes: set[str] | None = None) -> ActorState | None:
+    """The dead actor the deployment's death is put on (None if all are alive).
+
+    First one whose node is gone; then the first to end of something other
+    than ``ray.kill``; then the first to end. vLLM's executor ``ray.kill``s
+    every rank once one fails, often before the GCS has found the node that
+    took the first one down, so end times alone can blame a survivor.
+    """
+    dead = sorted((s for s in states if s.dead), key=lambda s: s.end_time_ms)
+    lost = [s for s in dead if on_lost_node(s, alive_nodes)]
+    unkilled = [s for s in dead if not killed(s)]
+    found = lost or unkilled or dead
+    return found[0] if found else None
+
+
 def dead_message(states: list[ActorState], alive_nodes: set[str] | None = None) -> str | None:
     """The engine-dead message for the dead actors among ``states`` (None if none died).
 
-    The first to die is named first: when one rank dies, vLLM's executor stops
-    the others within milliseconds, and only the end times tell which went first.
+    The one to blame (``blamed``) is named: when one rank dies, vLLM's
+    executor stops the others within milliseconds, and only the end times,
+    the causes and the nodes tell which went first.
     """
-    first = first_dead(states)
+    first = blamed(states, alive_nodes)
     if first is None:
         return None
 
@@ -175,7 +207,7 @@ def diagnose(states: list[ActorState], alive_nodes: set[str] | None, core_proces
     runs). The first actor to die is blamed, unless the core process ended
     and that actor died because its owner (the core, which creates the ranks) did.
     """
-    first = first_dead(states)
+    first = blamed(states, alive_nodes)
     if core_process is not None and (first is None or "owner" in first.cause.lower()):
         return engine_dead(core_process)
     return dead_message(states, alive_nodes)
@@ -252,14 +284,21 @@ class DeathWatch:
     """
 
     # vLLM may say the engine is dead a moment before the GCS marks the actor that took it down.
-    DESCRIBE_ATTEMPTS = 3
+    DESCRIBE_ATTEMPTS = 5
     DESCRIBE_RETRY_S = 1.0
+    # While every death seen is a `ray.kill` (vLLM's executor stopping its ranks),
+    # how long to give the GCS to find a lost node behind it (its health check
+    # takes ~3 s with the settings cluster_configs/ use; docs/clusters.md).
+    KILL_GRACE_S = 3.0
 
     def __init__(self, records: DeploymentRecords, cluster: Cluster,
-                 core_processes: Callable[[], list[Any]] = list) -> None:
+                 core_processes: Callable[[], list[Any]] = list,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.records = records
         self.cluster = cluster
         self.core_processes = core_processes
+        self.clock = clock
+        self._kills_seen_at: float | None = None
 
     def survey(self) -> list[ActorState]:
         """Every actor of this deployment as the GCS actor table has it (blocking: run in a thread).
@@ -281,9 +320,26 @@ class DeathWatch:
                          f"exited with code {p.exitcode}" for p in ended)
 
     async def diagnose(self) -> str | None:
-        """The death message if vLLM's engine-core process, a rank or a merge actor is gone (``diagnose``)."""
+        """The death message if vLLM's engine-core process, a rank or a merge actor is gone (``diagnose``).
+
+        Held back for up to ``KILL_GRACE_S`` while the only deaths are ranks
+        ``ray.kill``ed on live nodes (what vLLM's executor does to every rank
+        once one fails): a lost node behind them is blamed once the GCS finds
+        it; a user's own ``ray.kill`` of a rank is named after the grace.
+        """
         states = await self.cluster.offload(self.survey)
-        return diagnose(states, await self.cluster.offload(self.cluster.alive_nodes), self.core_process())
+        alive = await self.cluster.offload(self.cluster.alive_nodes)
+        core = self.core_process()
+        message = diagnose(states, alive, core)
+        dead = [s for s in states if s.dead]
+        if message is not None and core is None and all(
+                s.record.role == RANK and killed(s) and not on_lost_node(s, alive) for s in dead):
+            now = self.clock()
+            if self._kills_seen_at is None:
+                self._kills_seen_at = now
+            if now - self._kills_seen_at < self.KILL_GRACE_S:
+                return None
+        return message
 
     async def describe_dead(self) -> str:
         """What killed the engine, once vLLM said it is dead (the GCS may learn of a death a moment later)."""
@@ -317,7 +373,10 @@ class DeathWatch:
         if core.dead is None:
             await self.check(core)
         states = await self.cluster.offload(self.survey)
-        return {"alive": core.dead is None, "error": None if core.dead is None else str(core.dead),
+        error = None if core.dead is None else str(core.dead)
+        if error is None and any(s.dead for s in states):  # a death the engine is still holding back
+            error = dead_message(states, await self.cluster.offload(self.cluster.alive_nodes))
+        return {"alive": error is None, "error": error,
                 "actors": as_dicts(states), "uptime_s": uptime_s,
                 "collect": dict(core.collect_stats), "core_pids": [p.pid for p in self.core_processes()]}
 

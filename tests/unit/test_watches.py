@@ -115,7 +115,7 @@ def test_an_ended_engine_core_process_is_blamed_over_the_ranks_it_took_with_it()
 
 
 def test_describe_dead_retries_the_gcs_then_says_every_actor_was_alive():
-    """vLLM said the engine died, the GCS names nobody: three looks, a second apart, then the plain message."""
+    """vLLM said the engine died, the GCS names nobody: five looks, a second apart, then the plain message."""
     looks = []
     table = _alive_table()
 
@@ -128,7 +128,9 @@ def test_describe_dead_retries_the_gcs_then_says_every_actor_was_alive():
     message = asyncio.run(watch.describe_dead())
     assert message == engine_dead("vLLM's engine core in engine actor e.engine on node n0 failed with every "
                                   "actor alive (see the engine actor's log)")
-    assert _no_sleep.slept == [1.0, 1.0, 1.0] and len(looks) == 3 * len(RECORDS.others())
+    attempts = DeathWatch.DESCRIBE_ATTEMPTS
+    assert attempts * DeathWatch.DESCRIBE_RETRY_S > DeathWatch.KILL_GRACE_S  # a held-back kill is still named
+    assert _no_sleep.slept == [1.0] * attempts and len(looks) == attempts * len(RECORDS.others())
 
 
 def test_describe_dead_finds_a_death_the_gcs_learns_of_late():
@@ -354,3 +356,70 @@ def test_engine_args_keep_the_users_settings_and_add_nnsights():
     assert PlacementPlan.model_validate(args["additional_config"][ADDITIONAL_CONFIG_KEY]) == plan
     assert spec.engine_kwargs == {"max_model_len": 64, "enable_prefix_caching": True}  # not changed
     assert spec.engine_name == "e.engine"
+
+
+# -- who is blamed when vLLM's executor ray.kills the survivors -----------------
+
+KILLED_CAUSE = "The actor is dead because it was killed by `ray.kill`."
+
+
+def test_a_rank_on_a_lost_node_is_blamed_over_the_survivors_vllm_killed_first():
+    """The CI finding: vLLM ray.killed pp0.tp0 (n1, alive) before the GCS marked pp0.tp1's node (n2) dead."""
+    table = _alive_table()
+    table["R0"] = _entry("DEAD", "n1", 1000, cause=KILLED_CAUSE)
+    table["R1"] = _entry("DEAD", "n2", 3000, cause="The actor died because its node has died.")
+    core = FakeCore()
+    asyncio.run(DeathWatch(RECORDS, _cluster(table, {"n0", "n1"})).check(core))
+    assert str(core.dead) == engine_dead("rank pp0.tp1 (actor e.pp0.tp1) on node n2 (node removed) died "
+                                         "(The actor died because its node has died.)")
+
+
+def test_a_death_of_another_cause_is_blamed_over_earlier_ray_kills():
+    table = _alive_table()
+    table["R0"] = _entry("DEAD", "n1", 1000, cause=KILLED_CAUSE)
+    table["R1"] = _entry("DEAD", "n2", 2000, cause="The actor died unexpectedly: worker process exited (SIGSEGV).")
+    core = FakeCore()
+    asyncio.run(DeathWatch(RECORDS, _cluster(table)).check(core))
+    assert "e.pp0.tp1" in str(core.dead) and "SIGSEGV" in str(core.dead)
+
+
+def test_kill_only_deaths_are_held_back_for_the_grace_then_the_first_is_named():
+    """Only ray.kills on live nodes: a lost node may still be found; a user's own kill is named after the grace."""
+    table = _alive_table()
+    table["R1"] = _entry("DEAD", "n2", 2000, cause=KILLED_CAUSE)
+    table["R0"] = _entry("DEAD", "n1", 1000, cause=KILLED_CAUSE)
+    now = [100.0]
+    watch = DeathWatch(RECORDS, _cluster(table), clock=lambda: now[0])
+    core = FakeCore()
+    assert asyncio.run(watch.check(core)) is False and core.dead is None
+    now[0] += DeathWatch.KILL_GRACE_S - 0.1
+    assert asyncio.run(watch.check(core)) is False
+    now[0] += 0.2
+    assert asyncio.run(watch.check(core)) is True
+    assert "e.pp0.tp0" in str(core.dead) and "killed by `ray.kill`" in str(core.dead)
+
+
+def test_a_node_lost_during_the_grace_is_named_at_once():
+    table = _alive_table()
+    table["R0"] = _entry("DEAD", "n1", 1000, cause=KILLED_CAUSE)
+    table["R1"] = _entry("DEAD", "n2", 1001, cause=KILLED_CAUSE)
+    nodes = {"n0", "n1", "n2"}
+    watch = DeathWatch(RECORDS, Cluster(table.get, lambda: set(nodes), offload=_inline, sleep=_no_sleep),
+                       clock=lambda: 0.0)
+    core = FakeCore()
+    assert asyncio.run(watch.check(core)) is False
+    nodes.discard("n2")  # the GCS's health check found it
+    assert asyncio.run(watch.check(core)) is True
+    assert "e.pp0.tp1" in str(core.dead) and "(node removed)" in str(core.dead)
+
+
+def test_a_killed_merge_actor_is_named_at_once_and_health_never_says_alive_over_a_dead_actor():
+    table = _alive_table()
+    table["M"] = _entry("DEAD", "n0", 1000, cause=KILLED_CAUSE)
+    core = FakeCore()
+    assert asyncio.run(DeathWatch(RECORDS, _cluster(table), clock=lambda: 0.0).check(core)) is True  # no grace
+    assert "e.merge0" in str(core.dead)
+    table = _alive_table()
+    table["R0"] = _entry("DEAD", "n1", 1000, cause=KILLED_CAUSE)  # a rank kill, held back
+    health = asyncio.run(DeathWatch(RECORDS, _cluster(table), clock=lambda: 0.0).health(FakeCore(), 1.0))
+    assert health["alive"] is False and "e.pp0.tp0" in health["error"]
