@@ -31,7 +31,7 @@ RANK_CPUS = 5
 
 
 def test_lost_node_fails_every_waiter_within_10s(ray_cluster, model_dir):
-    """TP=2 STRICT_SPREAD, rank pp0.tp1's raylet SIGKILLed with a blocking trace, a non-blocking ref, an
+    """TP=2 STRICT_SPREAD, a rank's raylet SIGKILLed with a blocking trace, a non-blocking ref, an
     async stream and a plain generate in flight: each fails within 10 s naming the rank actor and that its
     node is gone; a later call fails at once the same way; health() says so; shutdown leaves nothing.
     """
@@ -50,11 +50,10 @@ def test_lost_node_fails_every_waiter_within_10s(ray_cluster, model_dir):
                         engine_actor_options={"scheduling_strategy": NodeAffinitySchedulingStrategy(head, soft=False)})
         topology = model.topology()
         assert {t["node_id"] for t in topology} == set(ours), (topology, list(ours))
-        dead = topology[1]
-        assert (dead["pp_rank"], dead["tp_rank"]) == (0, 1)
-        # Only the rank may live there: a merge actor on the lost node would be blamed as well.
+        # Only the rank may live on the lost node: a merge actor there (it asks for no CPU, so
+        # Ray may put it on either new raylet) would be blamed as well. Lose the rank whose node has none.
         others = {a["name"]: a["node_id"] for a in model.health()["actors"] if a["role"] != "rank"}
-        assert dead["node_id"] not in others.values(), others
+        (dead, *_) = [t for t in topology if t["node_id"] not in others.values()]
 
         streamer = RayVLLM.connect(name, mode="async")
         waiters = start_waiters(model, streamer)
