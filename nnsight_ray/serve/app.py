@@ -4,7 +4,8 @@
     serve run cluster_configs/serve.yaml
 
 Builds one ``NNsightDeployment`` (``num_replicas`` replicas, each deploying its
-own TP x PP engine) and the application's ``NNsightRegistry``.
+own TP x PP engine, or all attached to one running deployment: ``engine=``),
+the application's ``NNsightRegistry`` and its ``NNsightJobs`` (``remote=True``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     otherwise.
     """
     from .deployment import NNsightDeployment, NNsightRegistry
+    from .job_store import NNsightJobs
 
     parsed = ServeArgs.parse(args)
     if parsed.api_key is None and os.environ.get(API_KEY_ENV):
         parsed = parsed.model_copy(update={"api_key": SecretStr(os.environ[API_KEY_ENV])})
     deployment = NNsightDeployment.options(num_replicas=parsed.num_replicas)
-    return deployment.bind(parsed, NNsightRegistry.bind())
+    return deployment.bind(parsed, NNsightRegistry.bind(), NNsightJobs.bind(parsed.job_limits()))

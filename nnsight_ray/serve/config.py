@@ -15,9 +15,10 @@ import json
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .._internal.options import PlacementStrategy, RankPlacement
+from .jobs import JobLimits
 
 __all__ = ["API_KEY_ENV", "DEFAULT_MAX_BODY_BYTES", "ServeArgs", "ServeArgsError"]
 
@@ -55,6 +56,35 @@ class ServeArgs(BaseModel):
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="vLLM engine arguments (max_model_len, dtype, ...), passed as they are."
     )
+    engine: str | None = Field(
+        None, description="Serve the running RayVLLM deployment of this name (RayVLLM(..., name=...)) instead of "
+        "starting one per replica; every replica attaches to it and none shuts it down. Layout arguments and "
+        "engine_kwargs are then the deployment's own and must be left unset.")
+    served_names: list[str] = Field(
+        default_factory=list, description="Names a remote=True model key may carry besides `model` (and `engine`): "
+        "the hub id clients build VLLM(...) with, a short name. A comma-separated string on the command line.")
+    public_url: str | None = Field(
+        None, description="Base URL clients reach this application at, for result download URLs "
+        "(default: the URL each request arrived at).")
+    job_timeout_s: float = JobLimits.model_fields["job_timeout_s"]
+    result_ttl_s: float = JobLimits.model_fields["result_ttl_s"]
+    max_result_bytes: int = JobLimits.model_fields["max_result_bytes"]
+    max_stored_bytes: int = JobLimits.model_fields["max_stored_bytes"]
+    inline_result_bytes: int = JobLimits.model_fields["inline_result_bytes"]
+
+    @field_validator("served_names", mode="before")
+    @classmethod
+    def _served_names(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _attached(self) -> "ServeArgs":
+        if self.engine is not None and (self.world_size > 1 or self.engine_kwargs):
+            raise ValueError("engine= serves a running deployment with its own layout and engine arguments; "
+                             "leave tensor_parallel_size, pipeline_parallel_size and engine_kwargs unset")
+        return self
 
     @field_validator("engine_kwargs", mode="before")
     @classmethod
@@ -85,12 +115,22 @@ class ServeArgs(BaseModel):
         environ = os.environ if environ is None else environ
         return environ.get(API_KEY_ENV) or None
 
+    def job_limits(self) -> JobLimits:
+        """The bounds of the application's job book (``remote=True``)."""
+        return JobLimits(**{name: getattr(self, name) for name in JobLimits.model_fields})
+
+    def model_names(self) -> list[str]:
+        """Every checkpoint name a ``remote=True`` model key may carry for this application."""
+        return [self.model, *self.served_names, *([self.engine] if self.engine else [])]
+
     def engine_options(self) -> dict[str, Any]:
         """Keyword arguments of ``RayVLLM`` besides the model path and name."""
         return {
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "placement_strategy": self.placement_strategy,
+            # vLLM's OpenAI server's defaults (batch limits, stats logging), as `vllm serve` resolves them.
+            "usage_context": "OPENAI_API_SERVER",
             **self.engine_kwargs,
         }
 

@@ -1,8 +1,9 @@
 """The Serve edge: the replica that speaks nnsight-serve's protocol, and the registry.
 
-Every Ray and Serve call of the package is made here; the request logic is in
-``protocol.py``, the registered-block bookkeeping in ``registry.py``, the gate
-in ``security.py``.
+Every Ray and Serve call of the package is made here and in ``job_store.py``;
+the request logic is in ``protocol.py`` and ``remote.py`` (``remote=True``),
+the registered-block bookkeeping in ``registry.py``, the jobs in ``jobs.py``,
+the gate in ``security.py``.
 
 ``NNsightDeployment`` (one per replica) owns one ``RayVLLM`` engine, TP x PP
 ranks in a placement group of its own, named ``<app>-<replica id>`` in the
@@ -41,7 +42,9 @@ from .openai_api import (SSE_DONE, ChatRequest, StreamChunks, chat_prompt, chat_
                          sse, validation_message)
 from .protocol import (RETURN_SAVES_HEADER, CompletionRequest, build_trace, completion_response, error_of,
                        trace_payload)
+from .job_store import JobsClient
 from .registry import RegistrationError, Registry
+from .remote import ModelKeys, RemoteRoutes
 from .security import GuardMiddleware
 
 __all__ = ["NNsightDeployment", "NNsightRegistry"]
@@ -131,14 +134,18 @@ class NNsightDeployment:
     Args:
         args: the application's validated arguments.
         registry: handle of the application's ``NNsightRegistry``.
+        jobs: handle of the application's ``NNsightJobs`` (``remote=True``).
     """
 
-    def __init__(self, args: ServeArgs, registry: Any) -> None:
+    def __init__(self, args: ServeArgs, registry: Any, jobs: Any) -> None:
         self.args = args
         self.api_key = args.resolved_api_key()
         self.registry = registry
         context = serve.get_replica_context()
-        self.engine_name = f"{context.app_name or 'default'}-{context.replica_tag}"
+        self.name = f"{context.app_name or 'default'}-{context.replica_tag}"
+        # An attached engine (engine=) is shared by every replica and outlives them.
+        self.engine_name = args.engine or self.name
+        self.jobs, self.limits, self.public_url = JobsClient(jobs), args.job_limits(), args.public_url
         self.model: Any = None
         self.engine: Any = None
         self.persistent_objects: dict | None = None
@@ -156,6 +163,8 @@ class NNsightDeployment:
         """Deploy this replica's engine (blocking: runs on a worker thread)."""
         from ..ray_vllm import RayVLLM
 
+        if self.args.engine:
+            return RayVLLM.connect(self.args.engine)
         model = RayVLLM(self.args.model, name=self.engine_name, **self.args.engine_options())
         if self._closed.is_set():  # the replica stopped while the engine started
             model.shutdown()
@@ -215,7 +224,7 @@ class NNsightDeployment:
             return
         self._closed.set()
         model, self.model = getattr(self, "model", None), None
-        if model is None:
+        if model is None or self.args.engine:  # an attached engine is not this replica's to stop
             return
         try:
             self.registry.detach.remote(self.engine_name)
@@ -246,7 +255,18 @@ class NNsightDeployment:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        RemoteRoutes(self, ModelKeys(self.args.model_names())).mount(app)
         return app
+
+    def ready(self) -> None:
+        self._ready()
+
+    async def run_trace(self, built: Any) -> dict[str, Any]:
+        """Submit a built trace to this replica's engine; its merged saves (the trace's error, unwrapped)."""
+        try:
+            return await self.engine.trace_ref(built.prompts, built.params, built.loras, built.presaved)
+        except Exception as error:
+            raise _cause(error) from None
 
     async def health(self) -> dict[str, Any]:
         self._ready()

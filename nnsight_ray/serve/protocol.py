@@ -48,15 +48,20 @@ def build_trace(model: Any, body: bytes, persistent_objects: dict, compress: boo
 
     Synchronous by design, see the module docstring; raises whatever the
     deserialize or the block raised (the caller reports it as the trace's
-    deferred error).
+    deferred error). A payload that is not one trace (a ``model.session()``
+    block) is refused with a ``TypeError`` before any of it runs.
     """
     import linecache
 
     from nnsight.intervention.util import clear_shared_locals
+    from nnsight.modeling.vllm.tracer import VLLMTracer
     from nnsight.schema.request import RequestModel
 
     try:
         tracer = RequestModel.deserialize(body, persistent_objects, compress=compress)
+        if not isinstance(tracer, VLLMTracer):
+            raise TypeError(f"this server runs one model.trace(...) per request; got a {type(tracer).__name__} "
+                            "(model.session(...) is not supported: send each trace of the session on its own)")
     except BaseException:
         # Nothing may bleed into the next build, even from a half-read trace.
         model.interleaver.cancel()

@@ -2,7 +2,9 @@
 
 A serialized trace is code; the replica runs it against the engine. So the key
 check comes first, before a byte of the body is read, on every route but
-``/health`` (a load balancer's probe carries no secret). The key is compared
+``/health`` and ``/ping`` (a load balancer's probe carries no secret) and a
+result download (its URL is the capability), and on the ``remote=True``
+websocket's handshake (refused with 403). The key is compared
 with ``hmac.compare_digest`` so the time taken says nothing about how much of a
 guess was right. nnsight's client sends it as ``ndif-api-key``; an OpenAI
 client sends ``Authorization: Bearer <key>``; both are accepted.
@@ -25,7 +27,10 @@ from typing import Any, Awaitable, Callable
 __all__ = ["API_KEY_HEADER", "BodyTooLarge", "GuardMiddleware", "check_api_key", "declared_length"]
 
 API_KEY_HEADER = "ndif-api-key"
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ping"})
+# A result download (remote=True): nnsight's client sends no header there; the
+# unguessable, single-use, expiring token in the path is the capability.
+OPEN_PREFIXES = ("/download/",)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -116,11 +121,20 @@ class GuardMiddleware:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            if check_api_key(scope.get("headers", []), self.api_key) is not None:
+                await receive()  # websocket.connect
+                # Closing before accepting: the server answers the handshake with 403.
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await self.app(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = scope.get("headers", [])
-        if route_path(scope) not in OPEN_PATHS:
+        path = route_path(scope)
+        if path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
             refusal = check_api_key(headers, self.api_key)
             if refusal is not None:
                 await _reply(send, *refusal)

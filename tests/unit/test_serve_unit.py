@@ -164,7 +164,8 @@ def test_args_from_the_command_line_are_coerced():
                             "num_replicas": "3", "engine_kwargs": '{"max_model_len": 256}'})
     assert (args.world_size, args.num_replicas, args.engine_kwargs) == (4, 3, {"max_model_len": 256})
     assert args.engine_options() == {"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
-                                     "placement_strategy": "PACK", "max_model_len": 256}
+                                     "placement_strategy": "PACK", "usage_context": "OPENAI_API_SERVER",
+                                     "max_model_len": 256}
 
 
 @pytest.mark.parametrize("bad,needle", [
@@ -196,14 +197,16 @@ def test_the_documented_config_arguments_are_accepted():
     assert SERVE_ARGS <= set(ServeArgs.model_fields)
 
 
-def test_build_app_binds_the_replica_and_its_registry(monkeypatch):
+def test_build_app_binds_the_replica_its_registry_and_its_jobs(monkeypatch):
     monkeypatch.setenv("NNSIGHT_RAY_API_KEY", "from-env")
-    app = build_app({"model": "/m", "num_replicas": 2})
+    app = build_app({"model": "/m", "num_replicas": 2, "result_ttl_s": 30})
     deployment = app._bound_deployment
     assert deployment.name == "NNsightDeployment" and deployment.num_replicas == 2
-    args, registry = deployment.init_args
+    args, registry, jobs = deployment.init_args
     assert args.resolved_api_key({}) == "from-env"
     assert registry._bound_deployment.name == "NNsightRegistry"
+    assert jobs._bound_deployment.name == "NNsightJobs"
+    assert jobs._bound_deployment.init_args[0].result_ttl_s == 30
     with pytest.raises(ServeArgsError):
         build_app({"model": "/m", "nope": 1})
 
