@@ -121,3 +121,31 @@ def assert_close(actual, expected, rel: float = 1e-3) -> None:
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     err = (actual - expected).norm() / expected.norm().clamp_min(1e-12)
     assert err < rel, f"relative error {err:.2e} >= {rel}"
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a Serve proxy)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def layer_and_logits(model, prompt: str, **how):
+    """One greedy token's layer-2 output and logits; ``how``: ``serve=``, ``remote=``, ... of the trace."""
+    with model.trace(prompt, temperature=0.0, max_tokens=1, **how):
+        hidden = model.model.layers[2].output[0].clone().save()
+        logits = model.logits.clone().save()
+    return hidden, logits
+
+
+def multi_invoke(model, **how):
+    """Two invokes, the second zeroing a layer: its layer-1 output and the other's logits."""
+    with model.trace(temperature=0.0, max_tokens=2, **how) as tracer:
+        with tracer.invoke("Hello"):
+            a = model.model.layers[1].output[0].clone().save()
+        with tracer.invoke("A longer prompt here"):
+            model.model.layers[1].output[0][:] = 0
+            b = model.logits.clone().save()
+    return a, b

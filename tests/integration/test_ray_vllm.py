@@ -17,16 +17,10 @@ import pytest
 import ray
 import torch
 
-from conftest import ENGINE_KWARGS, assert_close, request_counts
+from conftest import ENGINE_KWARGS, assert_close, layer_and_logits, multi_invoke, request_counts
 
 pytestmark = pytest.mark.integration
 
-
-def layer_and_logits(model, prompt: str):
-    with model.trace(prompt, temperature=0.0, max_tokens=1):
-        hidden = model.model.layers[2].output[0].clone().save()
-        logits = model.logits.clone().save()
-    return hidden, logits
 
 
 @pytest.fixture(autouse=True)
@@ -36,16 +30,7 @@ def no_leaked_workers(ray_tp1):
 
 
 def test_multi_invoke_and_edits_match_local(ray_tp1, local_llama):
-    def run(model):
-        with model.trace(temperature=0.0, max_tokens=2) as tracer:
-            with tracer.invoke("Hello"):
-                a = model.model.layers[1].output[0].clone().save()
-            with tracer.invoke("A longer prompt here"):
-                model.model.layers[1].output[0][:] = 0
-                b = model.logits.clone().save()
-        return a, b
-
-    for got, want in zip(run(ray_tp1), run(local_llama)):
+    for got, want in zip(multi_invoke(ray_tp1), multi_invoke(local_llama)):
         assert_close(got, want)
 
 

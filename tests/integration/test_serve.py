@@ -11,7 +11,6 @@ engine (``local_llama``).
 from __future__ import annotations
 
 import io
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ import pytest
 import ray
 import torch
 
-from conftest import ENGINE_KWARGS, assert_close
+from conftest import ENGINE_KWARGS, assert_close, free_port, layer_and_logits, multi_invoke
 
 pytestmark = pytest.mark.integration
 
@@ -29,12 +28,6 @@ APP = "nnsight-serve-test"
 KEY = "test-key-0123456789"
 MAX_BODY = 1 << 20
 READY_TIMEOUT_S = 900
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def registry_status(app: str) -> dict:
@@ -97,13 +90,6 @@ def client(model_dir):
     return LocalVLLM(model_dir)
 
 
-def layer_and_logits(model, prompt: str, **serve):
-    with model.trace(prompt, temperature=0.0, max_tokens=1, **serve):
-        hidden = model.model.layers[2].output[0].clone().save()
-        logits = model.logits.clone().save()
-    return hidden, logits
-
-
 def on(served, **extra):
     return {"serve": served["url"], "api_key": KEY, **extra}
 
@@ -129,16 +115,7 @@ def test_blocking_trace_matches_local(served, client, local_llama):
 
 
 def test_multi_invoke_with_an_edit_matches_local(served, client, local_llama):
-    def run(model, **serve):
-        with model.trace(temperature=0.0, max_tokens=2, **serve) as tracer:
-            with tracer.invoke("Hello"):
-                a = model.model.layers[1].output[0].clone().save()
-            with tracer.invoke("A longer prompt here"):
-                model.model.layers[1].output[0][:] = 0
-                b = model.logits.clone().save()
-        return a, b
-
-    for got, want in zip(run(client, **on(served)), run(local_llama)):
+    for got, want in zip(multi_invoke(client, **on(served)), multi_invoke(local_llama)):
         assert_close(got, want)
 
 
