@@ -261,6 +261,12 @@ class NNsightDeployment:
     def ready(self) -> None:
         self._ready()
 
+    def job_ended(self, saved_bytes: int, error_type: str | None) -> None:
+        """Count a ``remote=True`` job's result bytes or its error (route ``remote``)."""
+        metrics.inc("nnsight_saved_bytes", saved_bytes, route="remote")
+        if error_type is not None:
+            metrics.inc("nnsight_intervention_errors", route="remote", type=error_type)
+
     async def run_trace(self, built: Any) -> dict[str, Any]:
         """Submit a built trace to this replica's engine; its merged saves (the trace's error, unwrapped)."""
         try:

@@ -131,6 +131,8 @@ class RemoteHost(Protocol):
 
     def run_trace(self, built: Any) -> Awaitable[dict[str, Any]]: ...  # submit; the merged saves
 
+    def job_ended(self, saved_bytes: int, error_type: str | None) -> None: ...  # metrics
+
 
 def _base_url(url: Any) -> str:
     text = str(url)
@@ -214,7 +216,7 @@ class RemoteRoutes:
             try:
                 built = self.build(self.host.model, payload, self.host.persistent_objects, compress)
             except Exception as error:
-                await jobs.fail(job_id, self._failure(error, "the trace failed to build"))
+                await self._fail(job_id, error, "the trace failed to build")
                 return
             await jobs.update(job_id, "RUNNING", "Your job has started running.")
             timeout = self.host.limits.job_timeout_s
@@ -229,20 +231,24 @@ class RemoteRoutes:
                 if deferred is not None and deferred.get("is_control_flow"):
                     saves = {}
                 else:
-                    await jobs.fail(job_id, self._failure(error, "the trace failed"))
+                    await self._fail(job_id, error, "the trace failed")
                     return
-            await jobs.complete(job_id, encode_result(saves, compress))
+            result = encode_result(saves, compress)
+            await jobs.complete(job_id, result)
+            self.host.job_ended(len(result), None)
         except asyncio.CancelledError:  # the replica is stopping: say so rather than let the deadline do it
             await asyncio.shield(jobs.fail(job_id, f"replica {self.host.name} stopped while running the job"))
             raise
         except Exception as error:  # the book itself failed: log; its deadline ends the job
             logger.exception("replica %s: job %s could not report its end: %s", self.host.name, job_id, error)
 
-    def _failure(self, error: BaseException, what: str) -> str:
+    async def _fail(self, job_id: str, error: BaseException, what: str) -> None:
         from nnsight.intervention.errors import capture_exception
 
-        logger.info("replica %s: %s: %s", self.host.name, what, error)
-        return describe_error(getattr(error, "deferred", None) or capture_exception(error))
+        logger.info("replica %s: job %s: %s: %s", self.host.name, job_id, what, error)
+        deferred = getattr(error, "deferred", None) or capture_exception(error)
+        await self.host.jobs.fail(job_id, describe_error(deferred))
+        self.host.job_ended(0, str(deferred.get("type_name")))
 
     # -- reads ------------------------------------------------------------------------
 

@@ -226,9 +226,27 @@ class LocalJobs:
         return call
 
 
-def fake_replica(run_trace, build=lambda model, payload, objects, compress: payload, ready=True):
-    host = SimpleNamespace(name="r1", model=None, persistent_objects={}, limits=JobLimits(inline_result_bytes=1 << 20),
-                           public_url=None, jobs=LocalJobs(JobBook()), run_trace=run_trace)
+@pytest.fixture
+def fake_replica():
+    """A factory of fake replicas, each served by a test client on one event loop for the whole test
+    (as a replica's loop is: a job outlives the request that started it)."""
+    clients = []
+
+    def make(*args, **kwargs):
+        host, client = replica(*args, **kwargs)
+        clients.append(client.__enter__())
+        return host, client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+def replica(run_trace, build=lambda model, payload, objects, compress: payload, ready=True, **limits):
+    host = SimpleNamespace(name="r1", model=None, persistent_objects={},
+                           limits=JobLimits(**{"inline_result_bytes": 1 << 20, **limits}), public_url=None,
+                           jobs=LocalJobs(JobBook()), run_trace=run_trace, ended=[])
+    host.job_ended = lambda size, error_type: host.ended.append((size, error_type))
 
     def check_ready():
         if not ready:
@@ -249,7 +267,7 @@ def post(client, key="nnsight_ray.local.LocalVLLM:/m", session="", compress=Fals
                        headers={"ndif-api-key": "k3y"} if headers is None else headers)
 
 
-def test_subscribe_then_post_gets_every_status_and_the_result():
+def test_subscribe_then_post_gets_every_status_and_the_result(fake_replica):
     from nnsight.schema.response import ResponseModel
 
     async def run_trace(built):
@@ -268,7 +286,7 @@ def test_subscribe_then_post_gets_every_status_and_the_result():
     assert host.jobs.book.stats()["sessions"] == 0  # closed with the socket
 
 
-def test_a_failing_trace_ends_in_error_and_a_refused_key_or_model_never_runs():
+def test_a_failing_trace_ends_in_error_and_a_refused_key_or_model_never_runs(fake_replica):
     async def run_trace(built):
         raise IndexError("index 10000 is out of bounds")
 
@@ -292,3 +310,60 @@ def test_a_failing_trace_ends_in_error_and_a_refused_key_or_model_never_runs():
             pass
     _, starting = fake_replica(run_trace, ready=False)
     assert post(starting).status_code == 503
+
+
+def final(client, job: str) -> dict:
+    import time
+
+    deadline = time.monotonic() + 10
+    while (answer := client.get(f"/response/{job}", headers={"ndif-api-key": "k3y"}).json())["status"] not in (
+            "COMPLETED", "ERROR"):
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.02)
+    return answer
+
+
+def test_every_way_a_job_can_fail_still_ends_it(fake_replica):
+    from nnsight_ray.errors import EngineDeadError
+
+    async def slow(built):
+        await asyncio.sleep(30)
+
+    async def dead(built):
+        raise EngineDeadError("the engine is dead: rank tp2.pp0.tp1 on node abc died")
+
+    def session(model, payload, objects, compress):
+        raise TypeError("got a Tracer (model.session(...) is not supported)")
+
+    host, client = fake_replica(slow, job_timeout_s=0.2)
+    assert "job_timeout_s (0.2 s)" in final(client, post(client).json()["id"])["description"]
+    host, client = fake_replica(dead)
+    answer = final(client, post(client).json()["id"])
+    assert answer["description"].startswith("EngineDeadError: the engine is dead: rank tp2.pp0.tp1")
+    assert host.ended == [(0, "EngineDeadError")]
+    _, client = fake_replica(dead, build=session)
+    assert "model.session(...) is not supported" in final(client, post(client).json()["id"])["description"]
+
+
+def test_a_trace_stopped_early_completes_with_what_it_saved(fake_replica):
+    async def stopped(built):
+        error = RuntimeError("stopped")
+        error.deferred = {"type_name": "EarlyStopException", "is_control_flow": True}
+        raise error
+
+    host, client = fake_replica(stopped)
+    assert final(client, post(client).json()["id"])["status"] == "COMPLETED"
+    assert host.ended and host.ended[0][1] is None
+
+
+def test_a_replica_that_stops_mid_job_ends_it():
+    """Without an entered client every request gets an event loop of its own, closed after it: the job's
+    task is cancelled as a stopping replica's would be."""
+
+    async def slow(built):
+        await asyncio.sleep(30)
+
+    host, client = replica(slow)
+    job = post(client).json()["id"]
+    assert host.jobs.book.job(job)["status"] == "ERROR"
+    assert host.jobs.book.job(job)["description"] == "replica r1 stopped while running the job"
