@@ -19,6 +19,7 @@ placed by a placement group on any node of a Ray cluster (see
 from __future__ import annotations
 
 import builtins
+import os
 from typing import Any
 
 from nnsight.modeling.vllm import VLLM
@@ -126,6 +127,9 @@ class LocalVLLM(VLLM):
         from ._internal.options import release_placement_group
         from ._internal.ray_executor import configure_engine_kwargs
 
+        # vLLM reads these in this process and the ones it starts (platform.ENGINE_ENV_DEFAULTS).
+        for key, value in platform.engine_env().items():
+            os.environ.setdefault(key, value)
         kwargs = configure_engine_kwargs(platform.engine_defaults(kwargs))
         self._engine_kwargs = kwargs
         try:
@@ -133,6 +137,24 @@ class LocalVLLM(VLLM):
         except BaseException:
             release_placement_group(kwargs)
             raise
+
+    def _load_async(self, repo_id: str, **kwargs: Any) -> Any:
+        """nnsight's async engine, resolved with ``vllm.LLM``'s defaults (``_internal/parity.py``).
+
+        nnsight builds ``AsyncLLM`` from bare ``AsyncEngineArgs``, whose usage
+        context no default table names (128 sequences / 2048 tokens a step on an
+        H200, against ``LLM``'s 1024 / 16384); the sync engine is ``LLM`` itself.
+        """
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from ._internal.parity import OFFLINE, entrypoint_kwargs
+
+        kwargs["enforce_eager"] = not self.taps  # nnsight's rule (its _load popped the caller's)
+        kwargs, _ = entrypoint_kwargs(kwargs, OFFLINE)
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(model=repo_id, worker_cls=self._WORKER_CLS, **kwargs),
+                                         usage_context=UsageContext.LLM_CLASS)
 
     def _pipeline_stages(self) -> int:
         return int((self.__dict__.get("_engine_kwargs") or {}).get("pipeline_parallel_size") or 1)

@@ -214,6 +214,9 @@ class RemoteEngine:
     def topology(self) -> list[dict[str, Any]]:
         return self.wait(self.engine.get_topology.remote())
 
+    def resolved_config(self) -> dict[str, Any]:
+        return self.wait(self.engine.resolved_config.remote())
+
     def health(self) -> dict[str, Any]:
         """The engine actor's health; if it cannot answer, what the GCS says of every actor."""
         import ray
@@ -240,6 +243,9 @@ class RayVLLM(LocalVLLM):
         num_merge_actors: merge shards (requests are spread by id).
         engine_actor_options: extra Ray ``.options()`` for the engine actor (e.g. a
             custom resource that keeps it on a GPU node; see docs/clusters.md).
+        usage_context: whose defaults vLLM resolves the engine's limits with:
+            ``"LLM_CLASS"`` (``vllm.LLM``'s, the default) or ``"OPENAI_API_SERVER"``
+            (vLLM's OpenAI server's; the Serve app's engines), on the ranks' device.
         detached: keep the deployment after this process exits, until
             ``shutdown()`` (from any process, after ``connect``).
         mode: ``"sync"`` or ``"async"`` (streaming traces).
@@ -259,7 +265,7 @@ class RayVLLM(LocalVLLM):
 
     def __init__(self, model: str, *, name: str | None = None, num_merge_actors: int = 1,
                  detached: bool = False, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 engine_actor_options: dict[str, Any] | None = None,
+                 engine_actor_options: dict[str, Any] | None = None, usage_context: str = "LLM_CLASS",
                  _deployment: Any = None, **kwargs: Any) -> None:
         from ._internal import deploy
 
@@ -269,7 +275,8 @@ class RayVLLM(LocalVLLM):
             _deployment = self._launch(model, name=name, num_merge_actors=num_merge_actors, detached=detached,
                                     tensor_parallel_size=tensor_parallel_size,
                                     pipeline_parallel_size=pipeline_parallel_size,
-                                    engine_actor_options=engine_actor_options, **kwargs)
+                                    engine_actor_options=engine_actor_options, usage_context=usage_context,
+                                    **kwargs)
         # The deploy.Deployment (None once shut down, and in a pickled copy) and its name.
         self._deployment, self._deployment_name = _deployment, _deployment.name
         engine_kwargs = {k: v for k, v in kwargs.items() if k not in RAY_OPTION_NAMES}
@@ -287,7 +294,8 @@ class RayVLLM(LocalVLLM):
     @staticmethod
     def _launch(model: str, *, name: str | None = None, num_merge_actors: int = 1, detached: bool = False,
                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                engine_actor_options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+                engine_actor_options: dict[str, Any] | None = None, usage_context: str = "LLM_CLASS",
+                **kwargs: Any) -> Any:
         """Start a deployment of ``model`` (``RayVLLM`` arguments) without waiting for it."""
         from ._internal import deploy
         from ._internal.options import RankPlacement, connect_ray
@@ -300,7 +308,8 @@ class RayVLLM(LocalVLLM):
                          "pipeline_parallel_size": pipeline_parallel_size}
         return deploy.launch(name or f"nnsight-{uuid.uuid4().hex[:8]}", model, engine_kwargs,
                              placement, num_merge_actors=num_merge_actors,
-                             detached=detached, engine_actor_options=engine_actor_options)
+                             detached=detached, engine_actor_options=engine_actor_options,
+                             usage_context=usage_context)
 
     @classmethod
     def start_many(cls, model: str, layouts: dict[str, dict[str, Any]], **common: Any) -> dict[str, "RayVLLM"]:
@@ -399,6 +408,14 @@ class RayVLLM(LocalVLLM):
 
     def health(self) -> dict[str, Any]:
         return self.vllm_entrypoint.health()
+
+    def resolved_config(self) -> dict[str, Any]:
+        """The engine's resolved vLLM config, ``{"config": {"section.field": repr}, "log": start line}``.
+
+        What nnsight changed from vLLM's own entry point's resolution, and why,
+        is the log line (``_internal/parity.py``).
+        """
+        return self.vllm_entrypoint.resolved_config()
 
     def request_counts(self) -> list[int]:
         """``nnsight_request_count`` on every rank (0 when no request holds workers)."""

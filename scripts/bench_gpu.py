@@ -1,53 +1,63 @@
-"""GPU throughput of interventions beside plain vLLM, side by side in one run.
+"""Throughput of interventions beside plain vLLM, on equal footing: the honest benchmark (issue 22).
 
 Usage::
 
-    python scripts/bench_gpu.py [--arch llama-1b] [--prompts 256] [--tokens 32]
-        [--invokes 64] [--parts plain,local,nosnapshot,byvalue,ray] [--profile N] [--json OUT.json]
+    python scripts/bench_gpu.py [--engines vllm-defaults,vllm-eager,nnsight-eager,nnsight-taps,local,ray]
+        [--workloads generate,registered,trace,nonblocking,every-step,extract] [--prompts 256] [--tokens 32]
+        [--traces 4] [--repeats 3] [--extract-prompts 256] [--extract-len 128] [--json OUT.json]
 
-Examples::
-
-    # the issue's recipe on the GPU host (random 1.2B Llama, bf16, eager):
+    # the GPU host (random 1.2B Llama, bf16):
     python scripts/bench_gpu.py
-    # a quick check of the script itself on a CPU machine (tiny model, float32):
-    python scripts/bench_gpu.py --arch llama --dtype float32 --prompts 16 --tokens 4 --invokes 8
+    # the CPU build (tiny Llama, float32): checks the script and gives the CPU ratios
+    python scripts/bench_gpu.py --cpu
 
-Engines, one after the other (each shut down before the next starts):
+Equal footing:
 
-* ``vllm-eager``: plain ``vllm.LLM(enforce_eager=True)`` - the floor nnsight is held to;
-  ``generate`` all prompts at once, ``chunked`` in chunks of ``--invokes`` one
-  after another (the batches a blocking trace of that many invokes runs in);
-* ``vllm-graphs``: plain vLLM with its defaults (CUDA graphs, torch.compile), GPU only;
-* ``local``: ``LocalVLLM`` (nnsight in-process);
-* ``nosnapshot``: ``LocalVLLM`` with the snapshot of saved values off (``NNSIGHT_RAY_SNAPSHOT_SAVES=0``);
-* ``byvalue``: ``LocalVLLM`` with every request carrying its own envoy tree, as
-  nnsight sends it (``NNSIGHT_RAY_ENVOY_REFS=0``; see ``_internal/envoy_refs``);
-* ``ray``: ``RayVLLM`` TP=1 (one rank actor in a GPU bundle), traces in flight together.
+* **Every prompt of a workload is in flight at once** on every row: plain
+  ``generate`` of all of them, one trace of ``--prompts`` invokes, or
+  ``--traces`` non-blocking traces submitted together (RayVLLM; a LocalVLLM
+  trace blocks, so it has no such row).
+* **Each engine in its own process** (a child of this script), started once,
+  shut down before the next starts; its start time is a row of its own.
+* **Each workload: one warm-up, then ``--repeats`` timed runs; the median** is
+  printed (rows of separate runs on a shared GPU differ by up to 1.7x).
+* **Every workload carries its values home and checks them** (count and shape)
+  before it counts: a registered block saves a *named* value (``probe``), a
+  trace binds its saves (a bare ``x.save()`` binds no name and nothing would
+  travel), the extraction checks every layer's rows.
 
-Workloads on each nnsight engine (``--prompts`` prompts x ``--tokens`` greedy
-tokens, ``ignore_eos``, no detokenization: the model is random):
+Engines: ``vllm-defaults`` (plain ``vllm.LLM`` as vLLM configures it: CUDA
+graphs on a GPU), ``vllm-eager`` (plain, ``enforce_eager=True``), nnsight's own
+``VLLM`` eager (``nnsight-eager``) and with ``taps`` (``nnsight-taps``: CUDA
+graphs with nnsight's handoff recorded at the tapped layers; its saves are
+cloned, as its docs require), ``local`` (``LocalVLLM``), ``ray`` (``RayVLLM``,
+TP=1). nnsight's own ``VLLM`` has no CPU build, so its rows are GPU only.
 
-* ``prefill``: traces of ``--invokes`` invokes, each saving
-  ``model.model.layers[L/2].output[0][-1]`` at prefill (the issue's workload);
-* ``every-step``: the same save at every step (``tracer.all()``);
-* ``registered``: a registered block (``model.edit()``) saving the same value, on plain ``generate``;
-* ``generate``: plain ``generate``, no intervention at all.
+Workloads (``--prompts`` prompts x ``--tokens`` greedy tokens, ``ignore_eos``, no detokenization):
 
-Prints one row per (engine, workload) with tokens/s and the ratio to
-``vllm-eager`` (and to ``local`` for ``ray``), then a one-line summary.
-``--profile N`` also runs one ``prefill`` workload on ``LocalVLLM`` under
-cProfile and prints its top ``N`` functions by cumulative time: where the time
-goes, in the same run. It puts vLLM's engine core in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profile sees the runner, so the
-``local`` rows of such a run are for that in-process engine.
+* ``generate``: plain ``generate``, no intervention (every engine);
+* ``registered``: a registered block (``model.edit()``) saving ``probe`` = layer
+  L/2's last-token output at prefill, on plain ``generate``; every output carries it;
+* ``trace``: one trace of ``--prompts`` invokes, each saving the same value;
+* ``nonblocking``: the same in ``--traces`` non-blocking traces, then collected (RayVLLM);
+* ``every-step``: one trace, each invoke saving that value at every step (``tracer.all()``);
+* ``extract``: ``--extract-prompts`` prompts of ``--extract-len`` tokens,
+  ``max_tokens=1``, every prompt token's output of 4 layers saved (the SAE
+  workload); tokens/s are prompt tokens, MB/s the saved values' bytes. The plain
+  rows run the same prompts' prefill (``max_tokens=1``): the floor.
+
+Prints one row per (engine, workload): median tokens/s, its ratio to
+``vllm-defaults`` first, to ``vllm-eager``, RayVLLM's to LocalVLLM, and the
+runs; then start times and one SUMMARY line. ``--json`` keeps it all.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,219 +67,363 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # vLLM's V2 runner hung at start for plain vLLM on the GPU host; nnsight uses V1 (docs/gpu.md).
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
+ENGINES = ("vllm-defaults", "vllm-eager", "nnsight-eager", "nnsight-taps", "local", "ray")
+PLAIN = ("vllm-defaults", "vllm-eager")
+WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "extract")
+
 
 def prompts(n: int) -> list[str]:
     return [f"prompt {i}: " + "the quick brown fox jumps over the lazy dog "[: 20 + i % 20] for i in range(n)]
+
+
+def extract_prompts(n: int, length: int) -> list[str]:
+    words = "the quick brown fox jumps over the lazy dog and then it sleeps in the warm sun ".split()
+    out = []
+    for i in range(n):
+        text, k = f"{i} ", i
+        while len(text) < length * 4:
+            text += words[k % len(words)] + " "
+            k += 7
+        out.append(text)
+    return out
 
 
 def params(tokens: int) -> dict:
     return dict(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
 
 
-def timed(fn) -> float:
-    began = time.perf_counter()
-    fn()
-    return time.perf_counter() - began
+class Check(AssertionError):
+    """A workload's values did not all arrive."""
 
 
-def run_plain(path: str, texts: list[str], tokens: int, engine_kwargs: dict, eager: bool,
-              invokes: int) -> dict[str, float]:
-    """Seconds for plain ``LLM.generate``: all prompts at once, and in chunks of ``invokes`` one after another.
-
-    The chunked row is the batching a blocking trace of ``invokes`` invokes
-    gets (LocalVLLM runs one trace at a time): the floor for those rows.
-    """
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(path, enforce_eager=eager, **engine_kwargs)
-    sp = SamplingParams(**params(tokens))
-    llm.generate(texts[:8], sp, use_tqdm=False)  # warm-up
-    seconds = {"generate": timed(lambda: llm.generate(texts, sp, use_tqdm=False)),
-               "chunked": timed(lambda: [llm.generate(texts[i:i + invokes], sp, use_tqdm=False)
-                                         for i in range(0, len(texts), invokes)])}
-    llm = None  # noqa: F841  (frees the engine before the next one starts)
-    _free()
-    return seconds
+def expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise Check(what)
 
 
-def _free() -> None:
-    gc.collect()
-    try:
-        import torch
-
-        torch.cuda.empty_cache()
-    except Exception:
-        pass
+# -- the child: one engine, every workload it has --------------------------------------------------
 
 
-def workloads(model, texts: list[str], tokens: int, invokes: int, layer: int, ray_mode: bool) -> dict[str, float]:
-    """Seconds per workload on one nnsight engine (LocalVLLM or RayVLLM)."""
-    chunks = [texts[i:i + invokes] for i in range(0, len(texts), invokes)]
-    kw = params(tokens)
+class Bench:
+    """One engine in this process and the workloads run on it."""
 
-    def traced(every_step: bool):
-        tracers = []
-        for chunk in chunks:
-            extra = {"blocking": False} if ray_mode else {}
-            with model.trace(**kw, **extra) as tracer:
-                for text in chunk:
-                    with tracer.invoke(text):
-                        if every_step:
-                            for _ in tracer.all():
-                                model.model.layers[layer].output[0][-1].save()
-                        else:
-                            model.model.layers[layer].output[0][-1].save()
-            tracers.append(tracer)
-        if ray_mode:
-            for tracer in tracers:
-                tracer.collect()
+    def __init__(self, args: argparse.Namespace, engine: str) -> None:
+        from nnsight_ray.models import ARCHITECTURES
 
-    from vllm import SamplingParams
+        self.args, self.engine = args, engine
+        spec = ARCHITECTURES[args.arch]
+        self.hidden, self.layer = spec.hidden_size, spec.num_layers // 2
+        self.layers = sorted({spec.num_layers // 4 * k for k in range(4)} | {spec.num_layers - 1})[-4:]
+        self.texts = prompts(args.prompts)
+        self.extract_texts = extract_prompts(args.extract_prompts, args.extract_len)
+        self.model = None
+        self.llm = None
 
-    def generate():
-        outputs = model.vllm_entrypoint.generate(texts, SamplingParams(**kw))
-        assert len(outputs) == len(texts)
+    # engines
 
-    def registered():
+    def engine_kwargs(self) -> dict:
+        kwargs = dict(dtype=self.args.dtype, max_model_len=max(512, 2 * self.args.extract_len))
+        if self.args.on_gpu:
+            kwargs["gpu_memory_utilization"] = self.args.gpu_memory_utilization
+        else:
+            kwargs["kv_cache_memory_bytes"] = 256 << 20
+        return kwargs
+
+    def start(self) -> float:
+        began = time.perf_counter()
+        kwargs = self.engine_kwargs()
+        path = self.args.model_path
+        if self.engine in PLAIN:
+            from vllm import LLM
+
+            self.llm = LLM(path, **kwargs, **({"enforce_eager": True} if self.engine == "vllm-eager" else {}))
+        elif self.engine in ("nnsight-eager", "nnsight-taps"):
+            from nnsight.modeling.vllm import VLLM
+
+            taps = ([f"model.layers.{i}.output" for i in sorted(set(self.layers) | {self.layer})]
+                    if self.engine == "nnsight-taps" else None)
+            self.model = VLLM(path, dispatch=True, **({"taps": taps} if taps else {}), **kwargs)
+        elif self.engine == "local":
+            from nnsight_ray import LocalVLLM
+
+            self.model = LocalVLLM(path, dispatch=True, **kwargs)
+        elif self.engine == "ray":
+            import ray
+
+            from nnsight_ray import RayVLLM
+
+            ray.init(namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
+            began = time.perf_counter()  # the engine's start, not Ray's
+            self.model = RayVLLM(path, name=f"bench-{os.getpid()}", **kwargs)
+        else:
+            raise SystemExit(f"unknown engine {self.engine!r}: one of {ENGINES}")
+        return time.perf_counter() - began
+
+    def stop(self) -> None:
+        if self.engine == "ray" and self.model is not None:
+            self.model.shutdown()
+
+    def workloads(self) -> list[str]:
+        wanted = [w for w in self.args.workloads.split(",") if w]
+        if self.engine in PLAIN:
+            return [w for w in wanted if w in ("generate", "extract")]
+        if self.engine != "ray":
+            wanted = [w for w in wanted if w != "nonblocking"]
+        return wanted
+
+    # workloads: each returns (tokens, saved bytes) after checking what came home
+
+    def sampling(self, tokens: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(**params(tokens))
+
+    def entrypoint(self):
+        return self.llm if self.llm is not None else self.model.vllm_entrypoint
+
+    def run_generate(self) -> tuple[int, int]:
+        outputs = self.entrypoint().generate(self.texts, self.sampling(self.args.tokens), use_tqdm=False) \
+            if self.llm is not None else self.entrypoint().generate(self.texts, self.sampling(self.args.tokens))
+        expect(len(outputs) == len(self.texts), f"{len(outputs)} outputs for {len(self.texts)} prompts")
+        expect(all(len(o.outputs[0].token_ids) == self.args.tokens for o in outputs), "short outputs")
+        return len(self.texts) * self.args.tokens, 0
+
+    def run_registered(self) -> tuple[int, int]:
+        # Blocks read only locals: whatever a block's frame holds travels with it.
+        model, layer, clone = self.model, self.layer, self.engine == "nnsight-taps"
         with model.edit() as (tracer, edit):
-            model.model.layers[layer].output[0][-1].save()
+            probe = model.model.layers[layer].output[0][-1]
+            if clone:  # a tapped engine's graphs rewrite their buffers next step: its docs say clone
+                probe = probe.clone()
+            probe = probe.save()  # named: a registered block's values travel by name
         try:
-            generate()
+            outputs = self.entrypoint().generate(self.texts, self.sampling(self.args.tokens))
         finally:
             edit.clear()
+        expect(len(outputs) == len(self.texts), "missing outputs")
+        shapes = {tuple(o.saves["probe"].shape) for o in outputs if "probe" in getattr(o, "saves", {})}
+        got = sum("probe" in getattr(o, "saves", {}) for o in outputs)
+        expect(got == len(self.texts) and shapes == {(self.hidden,)}, f"probe on {got} outputs, shapes {shapes}")
+        return len(self.texts) * self.args.tokens, got * self.hidden * 2
 
-    traced(False)  # warm-up
-    return {
-        "prefill": timed(lambda: traced(False)),
-        "every-step": timed(lambda: traced(True)),
-        "registered": timed(registered),
-        "generate": timed(generate),
-    }
+    def _traced(self, texts: list[str], every_step: bool, blocking: bool = True):
+        import nnsight
 
-
-def profile(model, texts: list[str], tokens: int, invokes: int, layer: int, top: int) -> None:
-    """One ``prefill`` workload under cProfile; its top functions by cumulative time."""
-    import cProfile
-    import io
-    import pstats
-
-    chunks = [texts[i:i + invokes] for i in range(0, len(texts), invokes)]
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for chunk in chunks:
-        with model.trace(**params(tokens)) as tracer:
-            for text in chunk:
+        model, layer, clone = self.model, self.layer, self.engine == "nnsight-taps"
+        extra = {} if blocking else {"blocking": False}
+        with model.trace(**params(self.args.tokens), **extra) as tracer:
+            for text in texts:
                 with tracer.invoke(text):
-                    model.model.layers[layer].output[0][-1].save()
-    profiler.disable()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
-    print("\nPROFILE local prefill\n" + out.getvalue(), flush=True)
+                    if every_step:
+                        h = nnsight.save([])
+                        for _ in tracer.all():
+                            value = model.model.layers[layer].output[0][-1]
+                            h.append(value.clone() if clone else value)
+                    else:
+                        h = model.model.layers[layer].output[0][-1]
+                        if clone:
+                            h = h.clone()
+                        h = h.save()
+        # A non-blocking trace binds nothing here: its values are behind tracer.ref.
+        return tracer, locals().get("h")
+
+    def _check_rows(self, h, n: int, steps: int | None) -> int:
+        rows = h if isinstance(h, list) and n > 1 else [h]
+        expect(len(rows) == n, f"{len(rows)} saved values for {n} invokes")
+        if steps is None:
+            shapes = {tuple(r.shape) for r in rows}
+            expect(shapes == {(self.hidden,)}, f"shapes {shapes}")
+            return n * self.hidden * 2
+        lengths = {len(r) for r in rows}
+        expect(lengths == {steps}, f"{lengths} steps saved, expected {steps}")
+        return n * steps * self.hidden * 2
+
+    def run_trace(self) -> tuple[int, int]:
+        _, h = self._traced(self.texts, every_step=False)
+        return len(self.texts) * self.args.tokens, self._check_rows(h, len(self.texts), None)
+
+    def run_every_step(self) -> tuple[int, int]:
+        _, h = self._traced(self.texts, every_step=True)
+        return len(self.texts) * self.args.tokens, self._check_rows(h, len(self.texts), self.args.tokens)
+
+    def run_nonblocking(self) -> tuple[int, int]:
+        k = self.args.traces
+        chunks = [self.texts[i::k] for i in range(k)]
+        tracers = [self._traced(chunk, every_step=False, blocking=False)[0] for chunk in chunks]
+        saved = 0
+        for chunk, tracer in zip(chunks, tracers):
+            saved += self._check_rows(tracer.collect()["h"], len(chunk), None)
+        return len(self.texts) * self.args.tokens, saved
+
+    def run_extract(self) -> tuple[int, int]:
+        texts, layers = self.extract_texts, self.layers
+        if self.llm is not None:
+            outputs = self.llm.generate(texts, self.sampling(1), use_tqdm=False)
+            expect(len(outputs) == len(texts), "missing outputs")
+            return sum(len(o.prompt_token_ids) for o in outputs), 0
+        model, clone = self.model, self.engine == "nnsight-taps"
+        l0, l1, l2, l3 = layers
+        with model.trace(**params(1)) as tracer:
+            for text in texts:
+                with tracer.invoke(text):
+                    a0 = model.model.layers[l0].output[0]
+                    a1 = model.model.layers[l1].output[0]
+                    a2 = model.model.layers[l2].output[0]
+                    a3 = model.model.layers[l3].output[0]
+                    if clone:
+                        a0, a1, a2, a3 = a0.clone(), a1.clone(), a2.clone(), a3.clone()
+                    a0, a1, a2, a3 = a0.save(), a1.save(), a2.save(), a3.save()
+        tokens, saved = 0, 0
+        for name, value in (("a0", a0), ("a1", a1), ("a2", a2), ("a3", a3)):
+            rows = value if len(texts) > 1 else [value]
+            expect(len(rows) == len(texts), f"{name}: {len(rows)} values for {len(texts)} prompts")
+            expect(all(r.dim() == 2 and r.shape[1] == self.hidden for r in rows), f"{name}: bad shapes")
+            saved += sum(r.numel() * r.element_size() for r in rows)
+            if name == "a0":
+                tokens = sum(r.shape[0] for r in rows)
+        return tokens, saved
+
+
+def child(args: argparse.Namespace) -> None:
+    """Run one engine's workloads; write the JSON after each one (partial results survive a timeout)."""
+    import torch
+
+    args.on_gpu = torch.cuda.is_available()
+    bench = Bench(args, args.child)
+    result = {"engine": args.child, "workloads": {}, "errors": {}}
+    out = Path(args.child_json)
+    try:
+        result["start_s"] = bench.start()
+    except Exception as error:
+        result["errors"]["start"] = f"{type(error).__name__}: {error}"
+        out.write_text(json.dumps(result))
+        raise
+    out.write_text(json.dumps(result))
+    for workload in bench.workloads():
+        run = getattr(bench, "run_" + workload.replace("-", "_"))
+        try:
+            run()  # warm-up (and the first check)
+            times, amounts = [], None
+            for _ in range(args.repeats):
+                began = time.perf_counter()
+                amounts = run()
+                times.append(time.perf_counter() - began)
+            median = statistics.median(times)
+            tokens, saved = amounts
+            result["workloads"][workload] = {"seconds": times, "median_s": median, "tokens": tokens,
+                                             "tokens_per_s": tokens / median, "saved_bytes": saved,
+                                             "saved_mb_per_s": saved / median / 1e6}
+            print(f"[{args.child}] {workload}: {tokens / median:,.0f} tok/s (runs {', '.join(f'{t:.2f}' for t in times)} s)",
+                  flush=True)
+        except Exception as error:
+            result["errors"][workload] = f"{type(error).__name__}: {error}"
+            print(f"[{args.child}] {workload} FAILED: {type(error).__name__}: {error}", flush=True)
+        out.write_text(json.dumps(result))
+    bench.stop()
+
+
+# -- the parent: one child per engine, then the table -----------------------------------------------
+
+
+def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
+    def rate(engine: str, workload: str) -> float | None:
+        got = results.get(engine, {}).get("workloads", {}).get(workload)
+        return got["tokens_per_s"] if got else None
+
+    rows = []
+    print(f"\n{args.arch} {args.dtype}, {args.prompts} prompts x {args.tokens} tokens (all in flight), "
+          f"extract {args.extract_prompts} x ~{args.extract_len} tokens, median of {args.repeats}, {args.device}")
+    print(f"{'engine':<14} {'workload':<12} {'tok/s':>9} {'vs defaults':>11} {'vs eager':>9} {'vs local':>9} "
+          f"{'MB/s':>8}  runs (s)")
+    for engine, result in results.items():
+        for workload, got in result.get("workloads", {}).items():
+            # The plain rows' "extract" is the prefill of the same prompts; every workload's plain floor is
+            # plain generate, except extraction, whose floor is that prefill.
+            floor_workload = "extract" if workload == "extract" else "generate"
+            ratios = {}
+            for key, other, other_workload in (("vs_defaults", "vllm-defaults", floor_workload),
+                                               ("vs_eager", "vllm-eager", floor_workload),
+                                               ("vs_local", "local", workload)):
+                base = rate(other, other_workload)
+                ratios[key] = got["tokens_per_s"] / base if base and (key != "vs_local" or engine == "ray") else None
+            row = {"engine": engine, "workload": workload, **got, **ratios}
+            rows.append(row)
+            fmt = lambda v: f"{v:>8.2f}x" if v is not None else f"{'':>9}"  # noqa: E731
+            print(f"{engine:<14} {workload:<12} {got['tokens_per_s']:>9,.0f} {fmt(ratios['vs_defaults']):>11} "
+                  f"{fmt(ratios['vs_eager'])} {fmt(ratios['vs_local'])} {got['saved_mb_per_s']:>8.1f}  "
+                  f"{', '.join(f'{t:.2f}' for t in got['seconds'])}")
+        for workload, error in result.get("errors", {}).items():
+            print(f"{engine:<14} {workload:<12} FAILED: {error}")
+    for engine, result in results.items():
+        if "start_s" in result:
+            print(f"start {engine}: {result['start_s']:.1f} s")
+    print("SUMMARY " + " ".join(f"{r['engine']}/{r['workload']}={r['vs_defaults']:.3f}" for r in rows
+                                if r["vs_defaults"] is not None))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", default="llama-1b")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--invokes", type=int, default=64)
-    parser.add_argument("--parts", default="plain,local,ray")
+    parser.add_argument("--cpu", action="store_true", help="the CPU build's preset: tiny Llama, float32, small sizes")
+    parser.add_argument("--arch", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--engines", default=None)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--prompts", type=int, default=None)
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--traces", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--extract-prompts", type=int, default=None)
+    parser.add_argument("--extract-len", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--model-dir", default=None, help="reuse a checkpoint built earlier")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per engine's child process")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="print the top N functions of one local prefill workload under cProfile")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.profile:
-        # The engine core in this process, so the profile sees the runner too.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    cpu = args.cpu
+    defaults = dict(arch="llama" if cpu else "llama-1b", dtype="float32" if cpu else "bfloat16",
+                    prompts=64 if cpu else 256, tokens=8 if cpu else 32, extract_prompts=32 if cpu else 256,
+                    extract_len=64 if cpu else 128)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.child:
+        return child(args)
 
     import torch
 
-    from nnsight_ray.models import ARCHITECTURES, ensure_model
+    from nnsight_ray.models import ensure_model
 
     on_gpu = torch.cuda.is_available()
+    args.device = f"GPU {torch.cuda.get_device_name()}" if on_gpu else "CPU"
+    engines = (args.engines.split(",") if args.engines else
+               [e for e in ENGINES if on_gpu or not e.startswith("nnsight-")])
     path = str(ensure_model(args.model_dir or Path(tempfile.gettempdir()) / f"bench-{args.arch}", arch=args.arch))
-    layer = ARCHITECTURES[args.arch].num_layers // 2
-    texts = prompts(args.prompts)
-    total_tokens = args.prompts * args.tokens
-    engine_kwargs = dict(dtype=args.dtype, max_model_len=512)
-    if on_gpu:
-        engine_kwargs["gpu_memory_utilization"] = 0.5
-    else:
-        engine_kwargs["kv_cache_memory_bytes"] = 256 << 20
-    parts = set(args.parts.split(","))
-    seconds: dict[str, dict[str, float]] = {}
-    starts: dict[str, float] = {}
-
-    if "plain" in parts:
-        seconds["vllm-eager"] = run_plain(path, texts, args.tokens, engine_kwargs, True, args.invokes)
-        if on_gpu:
-            seconds["vllm-graphs"] = run_plain(path, texts, args.tokens, engine_kwargs, False, args.invokes)
-    # LocalVLLM variants: (row name, environment it runs under, workloads it runs)
-    variants = [("local", {}, None),
-                ("local-nosnapshot", {"NNSIGHT_RAY_SNAPSHOT_SAVES": "0"}, ("prefill", "every-step")),
-                ("local-byvalue", {"NNSIGHT_RAY_ENVOY_REFS": "0"}, ("prefill", "every-step"))]
-    wanted = {"local": "local", "local-nosnapshot": "nosnapshot", "local-byvalue": "byvalue"}
-    for row, env, keep in variants:
-        if wanted[row] not in parts:
-            continue
-        from nnsight_ray import LocalVLLM
-
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+    results: dict[str, dict] = {}
+    forwarded = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in
+                 ("workloads", "prompts", "tokens", "traces", "repeats", "extract_prompts", "extract_len",
+                  "gpu_memory_utilization")]
+    with tempfile.TemporaryDirectory() as scratch:
+        for engine in engines:
+            out = Path(scratch) / f"{engine}.json"
+            command = [sys.executable, __file__, *forwarded, "--child", engine, "--child-json", str(out),
+                       "--model-path", path, "--arch", args.arch, "--dtype", args.dtype]
             began = time.perf_counter()
-            model = LocalVLLM(path, dispatch=True, **engine_kwargs)
-            starts[row] = time.perf_counter() - began
-            got = workloads(model, texts, args.tokens, args.invokes, layer, ray_mode=False)
-            if row == "local" and args.profile:
-                profile(model, texts, args.tokens, args.invokes, layer, args.profile)
-            seconds[row] = {k: v for k, v in got.items() if keep is None or k in keep}
-            model.shutdown()
-            del model
-            _free()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-    if "ray" in parts:
-        import ray
-
-        from nnsight_ray import RayVLLM
-
-        ray.init(namespace="nnsight_ray", include_dashboard=False)
-        began = time.perf_counter()
-        model = RayVLLM(path, name="bench-gpu", **engine_kwargs)
-        starts["ray"] = time.perf_counter() - began
-        seconds["ray"] = workloads(model, texts, args.tokens, args.invokes, layer, ray_mode=True)
-        model.shutdown()
-        ray.shutdown()
-
-    floor = seconds.get("vllm-eager", {}).get("generate")
-    print(f"\n{args.arch} {args.dtype}, {args.prompts} prompts x {args.tokens} tokens, "
-          f"{args.invokes} invokes/trace, {'GPU ' + torch.cuda.get_device_name() if on_gpu else 'CPU'}")
-    print(f"{'engine':<18} {'workload':<11} {'tok/s':>9} {'vs eager':>9} {'vs local':>9}")
-    rows = []
-    for engine, results in seconds.items():
-        for workload, spent in results.items():
-            if spent != spent:  # nan: not measured
-                continue
-            rate = total_tokens / spent
-            vs_eager = floor / spent if floor else float("nan")
-            local = seconds.get("local", {}).get(workload)
-            vs_local = local / spent if engine == "ray" and local and local == local else float("nan")
-            rows.append({"engine": engine, "workload": workload, "tokens_per_s": rate,
-                         "vs_eager": vs_eager, "vs_local": vs_local})
-            print(f"{engine:<18} {workload:<11} {rate:>9.0f} {vs_eager:>8.2f}x {vs_local:>8.2f}x")
-    for name, spent in starts.items():
-        print(f"start {name}: {spent:.1f} s")
-    summary = {r["engine"] + "/" + r["workload"]: round(r["vs_eager"], 3) for r in rows}
-    print("SUMMARY " + " ".join(f"{k}={v}" for k, v in summary.items()))
+            try:
+                code = subprocess.run(command, timeout=args.timeout).returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+            results[engine] = json.loads(out.read_text()) if out.exists() else {"engine": engine, "errors": {}}
+            if code != 0:
+                results[engine].setdefault("errors", {})["process"] = f"exit {code} after {time.perf_counter() - began:.0f} s"
+            if args.json:  # partial results survive a later engine's failure
+                Path(args.json).write_text(json.dumps({"results": results, "args": vars(args)}, indent=1))
+    rows = table(results, args)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "starts": starts, "args": vars(args)}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "results": results, "args": vars(args)}, indent=1))
 
 
 if __name__ == "__main__":

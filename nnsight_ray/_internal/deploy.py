@@ -63,8 +63,10 @@ _NODE_LOCAL_ENV = {"VLLM_HOST_IP", "VLLM_PORT", "VLLM_CPU_OMP_THREADS_BIND", "OM
 
 
 def forwarded_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if k.startswith(_FORWARDED_ENV_PREFIXES) and k not in _NODE_LOCAL_ENV}
+    from .platform import engine_env
+
+    return {**engine_env(), **{k: v for k, v in os.environ.items()
+                               if k.startswith(_FORWARDED_ENV_PREFIXES) and k not in _NODE_LOCAL_ENV}}
 
 
 def merge_index(group: str, shards: int) -> int:
@@ -104,6 +106,8 @@ class DeploymentSpec:
     placement: PlacementPlan
     merge_names: tuple[str, ...]
     detached: bool = False
+    # Whose defaults the engine resolves: vllm.LLM's ("LLM_CLASS") or its OpenAI server's (parity.py).
+    usage_context: str = "LLM_CLASS"
 
     @property
     def engine_name(self) -> str:
@@ -179,16 +183,22 @@ class MergeActor:
         """Merge a batch of finished requests: one ``take_payloads`` per rank for all of them."""
         self._ensure_sweeper()
         began = time.perf_counter()
-        request_ids = [r.request_id for r in reports]
+        # Only collected requests left payloads on the ranks (engine.Report.collected).
+        positions = [i for i, r in enumerate(reports) if r.collected]
         per_rank: list[list[bytes | None]] = [[None] * len(reports) for _ in self.ranks]
         failure = None
-        taken = await asyncio.gather(*(r.take_payloads.remote(request_ids) for r in self.ranks), return_exceptions=True)
-        for name, result in zip(self.rank_names, taken):
-            if isinstance(result, BaseException) and failure is None:  # a rank died between collect and take
-                failure = EngineDeadError(await self.watch.death_message(
-                    f"rank actor {name} could not hand over its saves ({type(result).__name__}: {result})"))
-        if failure is None:
-            per_rank = list(taken)
+        if positions:
+            request_ids = [reports[i].request_id for i in positions]
+            taken = await asyncio.gather(*(r.take_payloads.remote(request_ids) for r in self.ranks),
+                                         return_exceptions=True)
+            for name, result in zip(self.rank_names, taken):
+                if isinstance(result, BaseException) and failure is None:  # a rank died between collect and take
+                    failure = EngineDeadError(await self.watch.death_message(
+                        f"rank actor {name} could not hand over its saves ({type(result).__name__}: {result})"))
+            if failure is None:
+                for row, payloads in zip(per_rank, taken):
+                    for position, payload in zip(positions, payloads):
+                        row[position] = payload
         self.book.arrive(reports, per_rank, failure)
         metrics.observe("nnsight_collect_seconds", time.perf_counter() - began, stage="merge")
 
@@ -237,20 +247,32 @@ class EngineActor:
         self.topology: list[dict[str, Any]] = []
         self.merges: list[Any] = []
         self.started = time.monotonic()
+        self.resolved: dict[str, str] = {}
+        self.start_line = ""
 
     async def start(self) -> list[dict[str, Any]]:
+        # vLLM's batch limits depend on the ranks' device, which this actor
+        # (no GPU of its own) cannot see: a rank's bundle answers, while this
+        # process imports vLLM (parity.py).
+        probe = probe_rank_platform(self.spec.placement)
         from nnsight.modeling.vllm.vllm import VLLM
-        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from . import parity
         from .engine import EngineCore, engine_args
 
         VLLM._require_v1_model_runner()
         spec = self.spec
         began = time.monotonic()
+        probed = await probe if probe is not None else None
+        kwargs, changed = engine_args(spec)
         # The rank placement group is deploy's (launch reserved it): if this
         # fails, wait_started releases it, and nothing here does.
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(spec)))
+        llm = AsyncLLM.from_engine_args(parity.build_engine_args(kwargs, probed),
+                                        usage_context=UsageContext(parity.usage_context(spec.usage_context)))
+        self.start_line = parity.log_start(spec.name, spec.usage_context, changed, llm.vllm_config, probed)
+        self.resolved = parity.config_summary(llm.vllm_config)
         vllm_up = time.monotonic()
         self.merges = [ray.get_actor(n, namespace=NAMESPACE) for n in spec.merge_names]
         self.core = EngineCore(llm, self._notify, self._describe_dead, on_dead=self._tell_merges)
@@ -312,6 +334,11 @@ class EngineActor:
     async def ready(self) -> bool:
         return self.core is not None and self.core.dead is None
 
+    async def resolved_config(self) -> dict[str, Any]:
+        """The engine's resolved vLLM config (``parity.config_summary``) and its start-up log line."""
+        self._require_core()
+        return {"config": self.resolved, "log": self.start_line}
+
     async def config(self) -> DeploymentSpec:
         return self.spec
 
@@ -338,6 +365,30 @@ class EngineActor:
             self.core.llm.shutdown()
 
 
+def probe_rank_platform(plan: PlacementPlan) -> Any:
+    """A ref to ``parity.probe_batch_defaults`` run in the first rank's bundle; None for CPU ranks.
+
+    CPU ranks run the engine actor's own platform (the CPU build), which
+    resolves the same tables itself. The task asks for the bundle's GPU, so it
+    sees the device a rank will, and ends before the ranks are created.
+    """
+    placement = plan.placement
+    if placement.device != "gpu":
+        return None
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from . import parity
+    from .options import placement_group_by_id
+
+    resources = {} if placement.gpu_resource == "GPU" else {placement.gpu_resource: placement.gpus_per_rank}
+    task = ray.remote(parity.probe_batch_defaults).options(
+        num_cpus=0, num_gpus=placement.gpus_per_rank if placement.gpu_resource == "GPU" else 0,
+        resources=resources, runtime_env={"env_vars": forwarded_env()},
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group_by_id(plan.placement_group_id), placement_group_bundle_index=0))
+    return task.remote(plan.world_size)
+
+
 def eager_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """``engine_kwargs`` without ``enforce_eager``, which every nnsight_ray engine sets itself.
 
@@ -359,7 +410,7 @@ def eager_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: RankPlacement,
            num_merge_actors: int = 1, detached: bool = False,
-           engine_actor_options: dict[str, Any] | None = None) -> Deployment:
+           engine_actor_options: dict[str, Any] | None = None, usage_context: str = "LLM_CLASS") -> Deployment:
     """Plan the ranks' placement (reserving their group), create the merge and engine actors, start the engine; don't wait.
 
     Returns the deployment with its pending start; ``wait_started`` waits for
@@ -371,6 +422,9 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
     ``{"resources": {"gpu_node": 0.01}}`` to keep vLLM's engine core off a
     CPU-only head node of a GPU cluster (docs/clusters.md).
     """
+    from .parity import usage_context as checked_context
+
+    usage_context = checked_context(usage_context)
     placement = placement.model_copy(update={"engine_name": name})
     engine_kwargs = eager_engine_kwargs(engine_kwargs)
     lifetime = "detached" if detached else None
@@ -400,7 +454,7 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
         for n in merge_names
     ]
     spec = DeploymentSpec(name=name, model=model, engine_kwargs=engine_kwargs, placement=plan,
-                          merge_names=merge_names, detached=detached)
+                          merge_names=merge_names, detached=detached, usage_context=usage_context)
     options = {"num_cpus": 0, "runtime_env": runtime_env, "max_concurrency": 10_000,
                **(engine_actor_options or {})}
     engine = ray.remote(EngineActor).options(

@@ -53,6 +53,12 @@ class Report:
     request_id: str
     output: Any = None
     error: BaseException | None = None
+    # Whether the ranks hold anything of it (a block, a registered copy, an error):
+    # False for a plain request on an engine with no registered block, which is
+    # not collected at all (``EngineCore.needs_collect``); the merge takes nothing for it.
+    collected: bool = True
+    # The request carries a block of its own, or names registered edits.
+    carries_block: bool = False
 
 
 # Hands a batch of finished requests to the merge actors (never blocks).
@@ -69,6 +75,21 @@ def refusal(exception: BaseException) -> BaseException:
     return RequestError(f"vLLM refused the request: {type(cause).__name__}: {cause}")
 
 
+def carries_block(param: Any) -> bool:
+    """Whether a request's sampling params carry an nnsight block, or name registered edits.
+
+    nnsight's client puts a traced request's block in ``extra_args["nnsight_mediator"]``
+    and a request's edit names in ``extra_args["nnsight_edits"]`` (an unknown
+    name is that request's error, which only a collection reports).
+    """
+    extra = getattr(param, "extra_args", None) or {}
+    return "nnsight_mediator" in extra or extra.get("nnsight_edits") is not None
+
+
+# Collective RPCs that install and remove registered blocks (nnsight's registration.py).
+REGISTER, UNREGISTER = "nnsight_register", "nnsight_clear_registered"
+
+
 def final_only(param: Any) -> Any:
     """``param``, set to ask vLLM for the finished output only.
 
@@ -81,22 +102,22 @@ def final_only(param: Any) -> Any:
     return param
 
 
-def engine_args(spec: Any) -> dict[str, Any]:
-    """``AsyncEngineArgs`` keywords for a ``deploy.DeploymentSpec``: the engine actor's start-up, decided here.
+def engine_args(spec: Any) -> tuple[dict[str, Any], list[str]]:
+    """``AsyncEngineArgs`` keywords for a ``deploy.DeploymentSpec``, and what nnsight changed (with why).
 
-    The platform's defaults and nnsight's (``VLLM._load``: a traced prompt is
-    prefilled in one forward and every token runs a forward pass), never over
-    the user's; the placement plan and nnsight_ray's executor riding vLLM's
-    config; nnsight_ray's worker; eager (``deploy.eager_engine_kwargs``).
+    vLLM's own entry point's argument defaults (``parity.entrypoint_kwargs``:
+    ``vllm.LLM``'s, or the OpenAI server's for Serve) and nnsight's settings
+    (chunked prefill and prefix caching off, eager), never over the user's; the
+    platform's defaults; the placement plan and nnsight_ray's executor riding
+    vLLM's config; nnsight_ray's worker.
     """
-    from . import platform
+    from . import parity, platform
     from .ray_executor import engine_kwargs_with
 
     kwargs = platform.engine_defaults(spec.engine_kwargs)
-    kwargs.setdefault("enable_chunked_prefill", False)
-    kwargs.setdefault("enable_prefix_caching", False)
+    kwargs, changed = parity.entrypoint_kwargs(kwargs, parity.usage_context(spec.usage_context))
     kwargs = engine_kwargs_with(spec.placement, kwargs)
-    return {"model": spec.model, "worker_cls": platform.worker_cls(), "enforce_eager": True, **kwargs}
+    return {"model": spec.model, "worker_cls": platform.worker_cls(), **kwargs}, changed
 
 
 # How long a dead engine's loop serves its waiters before vLLM's (blocking) shutdown.
@@ -126,6 +147,11 @@ class EngineCore:
         self._flush: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._died = asyncio.Event()
+        # Registration ids of the blocks installed on every rank (``rpc``): while
+        # there are none, a request with no block of its own leaves nothing on
+        # any rank and is not collected (nnsight's runner forgets it off the
+        # scheduler's finished set, ``Requests.harvest``).
+        self.registered: set[str] = set()
         # Time the loop spent in collection: the stash RPCs, during which vLLM's
         # engine core runs no step (health() reports it; see the stall benchmark).
         self.collect_stats = {"calls": 0, "requests": 0, "seconds": 0.0, "max_s": 0.0}
@@ -141,10 +167,10 @@ class EngineCore:
         output per request per step. Streams (``stream``) keep every step.
         """
         for index, (prompt, param) in enumerate(zip(prompts, params)):
-            self._start(self._track(group, index), prompt, final_only(param), loras[index] if loras else None)
+            self._start(self._track(group, index, param), prompt, final_only(param), loras[index] if loras else None)
 
-    def _track(self, group: str, index: int) -> Report:
-        report = Report(group, index, f"{group}-{index}")
+    def _track(self, group: str, index: int, param: Any = None) -> Report:
+        report = Report(group, index, f"{group}-{index}", carries_block=carries_block(param))
         self._unreported[report.request_id] = report
         return report
 
@@ -194,7 +220,7 @@ class EngineCore:
         the engine's error.
         """
         queue: asyncio.Queue = asyncio.Queue()
-        task = self._start(self._track(group, 0), prompt, param, lora, queue)
+        task = self._start(self._track(group, 0, param), prompt, param, lora, queue)
         try:
             while True:
                 item = await queue.get()
@@ -220,6 +246,7 @@ class EngineCore:
         if report.request_id not in self._unreported:
             return
         report.output, report.error = output, error
+        report.collected = self.needs_collect(report)
         if self.dead is not None:  # nothing to collect from a dead engine
             report.output, report.error = None, error or self.dead
             self._hand_over([report])
@@ -227,6 +254,15 @@ class EngineCore:
         self._pending.append(report)
         if self._flush is None or self._flush.done():
             self._flush = asyncio.ensure_future(self._flush_pending())
+
+    def needs_collect(self, report: Report) -> bool:
+        """Whether any rank may hold something of ``report``'s request (decided when it ends).
+
+        A block of its own or edit names: yes. Otherwise only a registered block
+        can have run on it; one cleared before the request ended took its
+        values with it (``Requests.unregister``), so the set as it is now decides.
+        """
+        return report.carries_block or bool(self.registered)
 
     async def _flush_pending(self) -> None:
         await asyncio.sleep(0)  # let every request finishing in this step enqueue first
@@ -246,14 +282,17 @@ class EngineCore:
             for report in batch:
                 report.output, report.error = None, report.error or self.dead
             return
-        ids = [r.request_id for r in batch]
-        outputs = {r.request_id: r.output for r in batch if r.output is not None}
+        wanted = [r for r in batch if r.collected]
+        if not wanted:  # plain requests, no registered block: nothing on any rank, no collective
+            return
+        ids = [r.request_id for r in wanted]
+        outputs = {r.request_id: r.output for r in wanted if r.output is not None}
         began = time.perf_counter()
         try:
             await self.llm.collective_rpc("nnsight_ray_stash", args=(ids, pickle.dumps(outputs) if outputs else None))
         except Exception as exception:
             failure = await self._explain(exception)
-            for report in batch:
+            for report in wanted:
                 report.output, report.error = None, report.error or failure
         spent = time.perf_counter() - began
         stats = self.collect_stats
@@ -339,6 +378,8 @@ class EngineCore:
     async def rpc(self, method: str, args: tuple = ()) -> list:
         if self.dead is not None:
             raise self.dead
+        if method == REGISTER and args:  # before the call: a rank may have it even if the call fails
+            self.registered.add(args[0])
         call = asyncio.ensure_future(self.llm.collective_rpc(method, args=args))
         died = asyncio.ensure_future(self._died.wait())
         try:
@@ -351,6 +392,9 @@ class EngineCore:
         if call.cancelled():
             raise self.dead
         try:
-            return call.result()
+            result = call.result()
         except Exception as exception:
             raise await self._explain(exception) from exception
+        if method == UNREGISTER and args:  # on success only: a rank that still has it is collected
+            self.registered.discard(args[0])
+        return result

@@ -22,6 +22,19 @@ WORKER_CLS = "nnsight_ray._internal.worker.NNsightWorker"
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
+# vLLM's FlashInfer sampler is JIT-compiled (nvcc, single-threaded) on its first use on a
+# machine: a fresh GPU machine's first engine start sat for minutes, saying nothing. Its
+# PyTorch sampler needs no build; greedy and plain top-k/top-p sampling give the same
+# tokens. Our engines default to it; set VLLM_USE_FLASHINFER_SAMPLER=1 to have FlashInfer's.
+ENGINE_ENV_DEFAULTS = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def engine_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``ENGINE_ENV_DEFAULTS`` not already set in ``environ`` (``os.environ`` by default)."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in ENGINE_ENV_DEFAULTS.items() if k not in environ}
+
+
 def is_cpu() -> bool:
     from vllm.platforms import current_platform
 

@@ -18,23 +18,28 @@ import os
 import pickle
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 # Payloads not taken within this many seconds are dropped (their merge actor
 # is gone); bounded so a lost merge never grows a rank's memory forever.
 STASH_TTL_S = float(os.environ.get("NNSIGHT_RAY_STASH_TTL_S", "900"))
 
-_stash: dict[str, tuple[float, bytes]] = {}
+# In arrival order, so expiry looks at the oldest entries only (a put is O(1) amortized).
+_stash: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
 _lock = threading.Lock()
 
 
 def stash_put(request_id: str, payload: bytes) -> None:
     now = time.monotonic()
     with _lock:
+        _stash.pop(request_id, None)
         _stash[request_id] = (now, payload)
-        expired = [key for key, (at, _) in _stash.items() if now - at > STASH_TTL_S]
-        for key in expired:
-            del _stash[key]
+        while _stash:
+            oldest, (at, _) = next(iter(_stash.items()))
+            if now - at <= STASH_TTL_S:
+                break
+            del _stash[oldest]
 
 
 def stash_take(request_ids: list[str]) -> list[bytes | None]:

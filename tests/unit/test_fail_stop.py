@@ -91,6 +91,10 @@ class Harness:
         return {r.request_id: r for r in self.reports}
 
 
+# Sampling params of a traced request: its block rides extra_args (nnsight's client puts it there).
+BLOCK = SimpleNamespace(extra_args={"nnsight_mediator": b"block"})
+
+
 async def _settle(steps: int = 20) -> None:
     for _ in range(steps):
         await asyncio.sleep(0)
@@ -122,7 +126,7 @@ def test_fail_reports_requests_whose_collection_is_stuck():
     async def scenario():
         h = Harness()
         h.llm.block_collect = True
-        h.core.submit("g", ["ok", "ok"], [None, None])
+        h.core.submit("g", ["ok", "ok"], [BLOCK, BLOCK])
         h.core.submit("h", ["hang"], [None])
         await _settle()
         assert h.llm.rpcs and not h.reports  # collecting, stuck
@@ -142,7 +146,7 @@ def test_fail_reports_requests_whose_collection_is_stuck():
 def test_a_bad_request_fails_alone_and_good_ones_are_collected_together():
     async def scenario():
         h = Harness()
-        h.core.submit("g", ["ok", "bad", "ok"], [None] * 3)
+        h.core.submit("g", ["ok", "bad", "ok"], [BLOCK] * 3)
         await _settle()
         return h
 
@@ -154,6 +158,52 @@ def test_a_bad_request_fails_alone_and_good_ones_are_collected_together():
     stash_calls = [args for method, args in h.llm.rpcs if method == "nnsight_ray_stash"]
     assert len(stash_calls) == 1 and sorted(stash_calls[0][0]) == ["g-0", "g-1", "g-2"]
     assert sorted(pickle.loads(stash_calls[0][1])) == ["g-0", "g-2"]
+
+
+def test_plain_requests_are_not_collected_unless_a_registered_block_may_have_run():
+    """No collective for a request no block touched; one for the rest (issue 22, item 3)."""
+
+    async def scenario():
+        h = Harness()
+        h.core.submit("plain", ["ok", "ok"], [None, SimpleNamespace(extra_args={"other": 1})])
+        await _settle()
+        assert not [m for m, _ in h.llm.rpcs if m == "nnsight_ray_stash"]
+        h.core.submit("traced", ["ok"], [BLOCK])
+        h.core.submit("named", ["ok"], [SimpleNamespace(extra_args={"nnsight_edits": ["probe"]})])
+        await _settle()
+        await h.core.rpc("nnsight_register", ("reg-1", b"payload", None))
+        h.core.submit("registered", ["ok"], [None])
+        await _settle()
+        await h.core.rpc("nnsight_clear_registered", ("reg-1",))
+        h.core.submit("cleared", ["ok"], [None])
+        await _settle()
+        return h
+
+    h = asyncio.run(scenario())
+    reports = h.by_id()
+    collected = sorted(rid for m, args in h.llm.rpcs if m == "nnsight_ray_stash" for rid in args[0])
+    assert collected == ["named-0", "registered-0", "traced-0"]
+    assert {rid: r.collected for rid, r in reports.items()} == {
+        "plain-0": False, "plain-1": False, "traced-0": True, "named-0": True, "registered-0": True,
+        "cleared-0": False}
+    assert all(r.error is None and r.output.finished for r in reports.values())
+    assert h.core.registered == set()
+
+
+def test_stash_put_expires_the_oldest_without_rescanning(monkeypatch):
+    from nnsight_ray._internal import rank_worker
+
+    monkeypatch.setattr(rank_worker, "_stash", type(rank_worker._stash)())
+    monkeypatch.setattr(rank_worker, "STASH_TTL_S", 10.0)
+    now = [100.0]
+    monkeypatch.setattr(rank_worker.time, "monotonic", lambda: now[0])
+    rank_worker.stash_put("a", b"1")
+    now[0] = 105.0
+    rank_worker.stash_put("b", b"2")
+    now[0] = 112.0  # a is 12 s old, b 7 s
+    rank_worker.stash_put("c", b"3")
+    assert list(rank_worker._stash) == ["b", "c"]
+    assert rank_worker.stash_take(["a", "b"]) == [None, b"2"] and rank_worker.stash_size() == 1
 
 
 def test_stream_ends_with_the_engines_error_when_it_dies():

@@ -348,8 +348,10 @@ def test_engine_args_keep_the_users_settings_and_add_nnsights():
     plan = PlacementPlan(placement=RankPlacement(device="cpu"), world_size=1, placement_group_id=_hex(7))
     spec = DeploymentSpec(name="e", model="/models/tiny", engine_kwargs={"max_model_len": 64,
                           "enable_prefix_caching": True}, placement=plan, merge_names=("e.merge0",))
-    args = engine_args(spec)
+    args, changed = engine_args(spec)
     assert args["model"] == "/models/tiny" and args["enforce_eager"] is True
+    assert args["disable_log_stats"] is True  # vllm.LLM's default (usage context LLM_CLASS)
+    assert [c.split("=")[0] for c in changed] == ["enable_chunked_prefill", "enforce_eager"]  # the user set the third
     assert args["max_model_len"] == 64 and args["enable_prefix_caching"] is True
     assert args["enable_chunked_prefill"] is False
     assert args["worker_cls"] == "nnsight_ray._internal.worker.NNsightWorker"
