@@ -25,8 +25,9 @@ Memory is bounded:
   capability URL (``/download/<token>``, an unguessable token, no header
   needed) until it is downloaded once or ``result_ttl_s`` passes;
 - a finished job's record is forgotten ``result_ttl_s`` after it ended; a
-  subscription is forgotten when its client leaves, and the results of its
-  unfinished jobs are dropped as they arrive (nobody is left to take them).
+  subscription is forgotten when its client leaves (or its replica stops
+  asking for its frames), and the results of its unfinished jobs are dropped
+  as they arrive (nobody is left to take them).
 
 Times come from an injected clock and tokens from an injected source, so the
 unit tests drive all of it on fakes.
@@ -47,6 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = ["DOWNLOAD_PATH", "Job", "JobBook", "JobLimits", "UnknownSession"]
 
 DOWNLOAD_PATH = "/download/"
+#: A subscription whose replica has not asked for frames this long is gone (the replica asks every few seconds).
+SESSION_IDLE_S = 60.0
 FINAL = frozenset({"COMPLETED", "ERROR"})
 ORDER = ("RECEIVED", "QUEUED", "RUNNING", "COMPLETED", "ERROR")
 
@@ -100,6 +103,7 @@ class Job:
 class Session:
     id: str
     replica: str
+    polled: float  # when its replica last asked for frames
     frames: list[tuple[str, str, str]] = field(default_factory=list)  # (job id, status, description), in order
     wake: asyncio.Event | None = None
 
@@ -130,7 +134,7 @@ class JobBook:
     # -- subscriptions ----------------------------------------------------------
 
     def open_session(self, replica: str) -> str:
-        session = Session(uuid.uuid4().hex, replica)
+        session = Session(uuid.uuid4().hex, replica, self.clock())
         self.sessions[session.id] = session
         return session.id
 
@@ -153,6 +157,7 @@ class JobBook:
         session = self.sessions.get(session_id)
         if session is None:
             return None
+        session.polled = self.clock()
         if not session.frames:
             wake = session.event()
             wake.clear()
@@ -298,8 +303,12 @@ class JobBook:
     # -- time -----------------------------------------------------------------------
 
     def sweep(self) -> None:
-        """End jobs past their deadline; forget finished jobs and their results after ``result_ttl_s``."""
+        """End jobs past their deadline; forget finished jobs and their results after ``result_ttl_s``, and
+        subscriptions whose replica stopped asking for frames (it died) after ``SESSION_IDLE_S``."""
         now, limits = self.clock(), self.limits
+        for session in list(self.sessions.values()):
+            if now - session.polled > SESSION_IDLE_S:
+                self.close_session(session.id)
         for job in list(self.jobs.values()):
             if job.status not in FINAL and now - job.created > limits.deadline_s:
                 self._end(job, "ERROR", f"no result within {limits.deadline_s:g} s (the replica running it "

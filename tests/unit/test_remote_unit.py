@@ -367,3 +367,17 @@ def test_a_replica_that_stops_mid_job_ends_it():
     job = post(client).json()["id"]
     assert host.jobs.book.job(job)["status"] == "ERROR"
     assert host.jobs.book.job(job)["description"] == "replica r1 stopped while running the job"
+
+
+def test_a_subscription_nobody_polls_is_forgotten():
+    from nnsight_ray.serve.jobs import SESSION_IDLE_S
+
+    book, clock = new_book()
+    polled, lost = book.open_session("r1"), book.open_session("r2")
+    job = book.accept("k", lost, "r1")["id"]
+    book.complete(job, b"inline")
+    clock.now = SESSION_IDLE_S / 2
+    frames(book, polled)
+    clock.now = SESSION_IDLE_S + 1
+    book.sweep()
+    assert set(book.sessions) == {polled} and book.stored_bytes() == 0
