@@ -67,7 +67,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # vLLM's V2 runner hung at start for plain vLLM on the GPU host; nnsight uses V1 (docs/gpu.md).
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
-ENGINES = ("vllm-defaults", "vllm-eager", "nnsight-eager", "nnsight-taps", "local", "ray")
+ENGINES = ("vllm-defaults", "vllm-eager", "nnsight-eager", "nnsight-taps", "local", "ray")  # + local-profile
 PLAIN = ("vllm-defaults", "vllm-eager")
 WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "extract")
 
@@ -81,10 +81,10 @@ def extract_prompts(n: int, length: int) -> list[str]:
     out = []
     for i in range(n):
         text, k = f"{i} ", i
-        while len(text) < length * 4:
+        while len(text) < length:  # the test tokenizers take one token per character
             text += words[k % len(words)] + " "
             k += 7
-        out.append(text)
+        out.append(text[:length])
     return out
 
 
@@ -143,7 +143,7 @@ class Bench:
             taps = ([f"model.layers.{i}.output" for i in sorted(set(self.layers) | {self.layer})]
                     if self.engine == "nnsight-taps" else None)
             self.model = VLLM(path, dispatch=True, **({"taps": taps} if taps else {}), **kwargs)
-        elif self.engine == "local":
+        elif self.engine in ("local", "local-profile"):
             from nnsight_ray import LocalVLLM
 
             self.model = LocalVLLM(path, dispatch=True, **kwargs)
@@ -319,7 +319,33 @@ def child(args: argparse.Namespace) -> None:
             result["errors"][workload] = f"{type(error).__name__}: {error}"
             print(f"[{args.child}] {workload} FAILED: {type(error).__name__}: {error}", flush=True)
         out.write_text(json.dumps(result))
+    if args.profile:
+        profile(bench, args.profile)
     bench.stop()
+
+
+def profile(bench: Bench, top: int) -> None:
+    """``generate`` and ``trace`` once each under cProfile: the top functions by own time, per step.
+
+    Meant for ``--engines local-profile`` (LocalVLLM with vLLM's engine core in
+    this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the runner's
+    work is in the profile too.
+    """
+    import cProfile
+    import io
+    import pstats
+
+    for workload in ("generate", "trace"):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        getattr(bench, "run_" + workload)()
+        profiler.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(profiler, stream=out)
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats(top)
+        print(f"\nPROFILE {bench.engine} {workload} ({len(bench.texts)} prompts x {bench.args.tokens} tokens)\n"
+              + out.getvalue(), flush=True)
 
 
 # -- the parent: one child per engine, then the table -----------------------------------------------
@@ -379,6 +405,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", default=None, help="reuse a checkpoint built earlier")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine's child process")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the workloads, print the top N functions of generate and trace under cProfile "
+                             "(engine local-profile: LocalVLLM with vLLM's engine core in process)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
@@ -405,15 +434,18 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict] = {}
     forwarded = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in
                  ("workloads", "prompts", "tokens", "traces", "repeats", "extract_prompts", "extract_len",
-                  "gpu_memory_utilization")]
+                  "gpu_memory_utilization", "profile")]
     with tempfile.TemporaryDirectory() as scratch:
         for engine in engines:
             out = Path(scratch) / f"{engine}.json"
             command = [sys.executable, __file__, *forwarded, "--child", engine, "--child-json", str(out),
                        "--model-path", path, "--arch", args.arch, "--dtype", args.dtype]
+            env = dict(os.environ)
+            if engine == "local-profile":  # the engine core in the child, so the profile sees the runner
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             began = time.perf_counter()
             try:
-                code = subprocess.run(command, timeout=args.timeout).returncode
+                code = subprocess.run(command, timeout=args.timeout, env=env).returncode
             except subprocess.TimeoutExpired:
                 code = "timeout"
             results[engine] = json.loads(out.read_text()) if out.exists() else {"engine": engine, "errors": {}}

@@ -4,12 +4,13 @@ Mixed into the CPU and GPU worker classes (see ``platform.worker_cls``).
 
 ``nnsight_ray_describe`` reports where a rank runs. ``nnsight_ray_stash`` is
 the distributed form of nnsight's ``collect_nnsight``: the engine calls it
-through ``collective_rpc`` when requests finish, and each rank *keeps* its
-pickled payload in this process instead of returning it through vLLM's
-message queues. The merge actor then takes each payload straight from the rank
-actor (``NNsightRankProc.take_payloads``), so saved tensors travel rank ->
-object store -> merge actor -> caller and never pass through the engine core
-or the engine actor, whose loop only ever sees payload sizes.
+through ``collective_rpc`` when requests finish, and each rank *keeps* what
+it collected in this process instead of returning it through vLLM's message
+queues. The merge actor then takes each payload straight from the rank actor
+(``NNsightRankProc.take_payloads``, on a second actor thread, which is where it
+is pickled), so saved tensors travel rank -> object store -> merge actor ->
+caller and never pass through the engine core or the engine actor, and the
+collective, during which vLLM's engine core runs no step, does no pickling.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from typing import Any
 STASH_TTL_S = float(os.environ.get("NNSIGHT_RAY_STASH_TTL_S", "900"))
 
 # In arrival order, so expiry looks at the oldest entries only (a put is O(1) amortized).
-_stash: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+_stash: OrderedDict[str, tuple[float, Any]] = OrderedDict()
 _lock = threading.Lock()
 
 
-def stash_put(request_id: str, payload: bytes) -> None:
+def stash_put(request_id: str, payload: Any) -> None:
     now = time.monotonic()
     with _lock:
         _stash.pop(request_id, None)
@@ -42,10 +43,24 @@ def stash_put(request_id: str, payload: bytes) -> None:
             del _stash[oldest]
 
 
-def stash_take(request_ids: list[str]) -> list[bytes | None]:
-    """Remove and return the payloads of ``request_ids`` (None where there is none)."""
+def stash_take(request_ids: list[str]) -> list[Any]:
+    """Remove and return what was stashed for ``request_ids`` (None where there is nothing)."""
     with _lock:
         return [(_stash.pop(rid, (0.0, None)))[1] for rid in request_ids]
+
+
+def take_serialized(request_ids: list[str]) -> list[bytes | None]:
+    """The payloads of ``request_ids``, serialized now, on the taker's thread (the merge actor's call).
+
+    The stash keeps each request's collected entry as it is (saved values still
+    where the forward left them, on the device): pickling, and the copy off the
+    device, happen here, off the engine's critical path, instead of inside the
+    collective ``nnsight_ray_stash``, during which vLLM's engine core runs no step.
+    """
+    from .payload import dumps
+
+    return [serialize_entry(rid, entry, dumps) if isinstance(entry, dict) else entry
+            for rid, entry in zip(request_ids, stash_take(request_ids))]
 
 
 def stash_size() -> int:
@@ -114,27 +129,28 @@ class RankRPCMixin:
             pass
         return info
 
-    def nnsight_ray_stash(self, request_ids: list[str], outputs: bytes | None = None) -> list[int]:
-        """Collect each finished request on this rank and keep its payload here.
+    def nnsight_ray_stash(self, request_ids: list[str], outputs: bytes | None = None) -> int:
+        """Collect each finished request on this rank and keep its entry here, unserialized.
 
         ``outputs`` is a pickled ``{request_id: RequestOutput}`` for serving
         ``tracer.result`` (absent for aborted requests, which are only wound
-        up). Returns each payload's size in bytes, in order.
+        up). The merge actor takes the entries, serialized on its own call
+        (``take_serialized``): the engine core, blocked for this collective,
+        waits for nnsight's collect only. Returns how many entries were kept.
         """
-        from .payload import dumps, unserialized
+        from .payload import unserialized
 
         finished = pickle.loads(outputs) if outputs else {}
         # One collect for the batch (nnsight keys its result by request), then one
-        # payload per request: each request's merge may run on another merge actor.
+        # entry per request: each request's merge may run on another merge actor.
         with unserialized():
             collected = self.collect_nnsight(request_ids, request_ids, finished or None)
-        sizes = []
+        kept = 0
         for rid in request_ids:
             entry = collected.get(rid) if collected else None
-            payload = serialize_entry(rid, entry, dumps) if entry is not None else b""
-            stash_put(rid, payload)
-            sizes.append(len(payload))
-        return sizes
+            stash_put(rid, entry if entry is not None else b"")
+            kept += entry is not None
+        return kept
 
     def nnsight_ray_stash_size(self) -> int:
         return stash_size()

@@ -93,9 +93,9 @@ class NNsightRankProc(RayWorkerProc):
         Runs on a second actor thread (the rank is created with
         ``max_concurrency`` > 1) while ``run`` owns the first with vLLM's busy loop.
         """
-        from .rank_worker import stash_take
+        from .rank_worker import take_serialized
 
-        return stash_take(request_ids)
+        return take_serialized(request_ids)
 
     def bind_cpus(self, cpus: list[int]) -> None:
         """Pin every thread of this rank's process to ``cpus`` before the worker starts.
