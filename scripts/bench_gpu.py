@@ -155,6 +155,7 @@ class Bench:
             ray.init(namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
             began = time.perf_counter()  # the engine's start, not Ray's
             self.model = RayVLLM(path, name=f"bench-{os.getpid()}", **kwargs)
+            print(f"[ray] {self.model.resolved_config()['log']}", flush=True)
         else:
             raise SystemExit(f"unknown engine {self.engine!r}: one of {ENGINES}")
         return time.perf_counter() - began
