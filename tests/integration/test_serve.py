@@ -472,8 +472,8 @@ def test_metrics_move_under_load_on_rays_export_port(served, client):
 
 
 def test_a_killed_rank_fails_its_requests_and_serve_replaces_the_replica(served, client, local_llama):
-    """Under load, one replica's rank dies: its requests fail fast naming the rank, check_health fails,
-    Serve starts a new replica (a new engine), and requests succeed again on both.
+    """Under load, one replica's rank dies: its requests (serve= and remote=True) fail fast naming the rank,
+    check_health fails, Serve starts a new replica (a new engine), and requests succeed again on both.
 
     Last in the module: it replaces one of the application's engines.
     """
@@ -487,17 +487,23 @@ def test_a_killed_rank_fails_its_requests_and_serve_replaces_the_replica(served,
     errors: list[tuple[float, str]] = []
     served_ok = []
 
-    def load():
+    remote_errors: list[tuple[float, str]] = []
+
+    def load(remote=False):
+        from nnsight.intervention.backends.remote import RemoteBackend
+
         while not stop.is_set():
+            how = ({"backend": RemoteBackend(client.to_model_key(), host=served["url"], api_key=KEY)} if remote
+                   else on(served))
             try:
-                with client.trace("Hello world", temperature=0.0, max_tokens=40, ignore_eos=True, **on(served)):
+                with client.trace("Hello world", temperature=0.0, max_tokens=40, ignore_eos=True, **how):
                     client.model.layers[2].output[0].save()
                 served_ok.append(time.monotonic())
             except Exception as error:  # noqa: BLE001 - recorded and asserted
-                errors.append((time.monotonic(), str(error)))
+                (remote_errors if remote else errors).append((time.monotonic(), str(error)))
 
-    with ThreadPoolExecutor(4) as pool:
-        loaders = [pool.submit(load) for _ in range(4)]
+    with ThreadPoolExecutor(6) as pool:  # four serve= clients, two remote=True (test_remote.py) clients
+        loaders = [pool.submit(load) for _ in range(4)] + [pool.submit(load, True) for _ in range(2)]
         time.sleep(3.0)
         killed_at = time.monotonic()
         ray.kill(ray.get_actor(rank, namespace="nnsight_ray"))
@@ -508,6 +514,9 @@ def test_a_killed_rank_fails_its_requests_and_serve_replaces_the_replica(served,
     assert errors, "no request was in flight on the killed engine"
     for at, message in errors:
         assert at - killed_at < 10 and rank in message and "the engine is dead" in message, message
+    assert remote_errors, "no remote=True job ran on the killed engine"
+    for at, message in remote_errors:  # RemoteError: the job ended in ERROR, or its POST was refused (503)
+        assert at - killed_at < 10 and rank in message, message
     # The failing health check makes Serve replace the replica, with an engine of a new name.
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
