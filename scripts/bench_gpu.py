@@ -66,6 +66,8 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # vLLM's V2 runner hung at start for plain vLLM on the GPU host; nnsight uses V1 (docs/gpu.md).
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+# The child asks torch about the device before vLLM starts its engine core: fork would inherit CUDA.
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 ENGINES = ("vllm-defaults", "vllm-eager", "nnsight-eager", "nnsight-taps", "local", "ray")  # + local-profile
 PLAIN = ("vllm-defaults", "vllm-eager")
