@@ -4,7 +4,7 @@ A serialized trace is code; the replica runs it against the engine. So the key
 check comes first, before a byte of the body is read, on every route but
 ``/health`` and ``/ping`` (a load balancer's probe carries no secret) and a
 result download (its URL is the capability), and on the ``remote=True``
-websocket's handshake (refused with 403). The key is compared
+websocket (refused in a way nnsight's client reports as ``RemoteError``). The key is compared
 with ``hmac.compare_digest`` so the time taken says nothing about how much of a
 guess was right. nnsight's client sends it as ``ndif-api-key``; an OpenAI
 client sends ``Authorization: Bearer <key>``; both are accepted.
@@ -73,7 +73,8 @@ def check_api_key(headers: list[tuple[bytes, bytes]], expected: str | None) -> t
         return None
     presented = presented_key(headers)
     if presented is None:
-        return 401, f"API key required: send it in the {API_KEY_HEADER} header (nnsight's api_key=...)"
+        return 401, (f"API key required: send it in the {API_KEY_HEADER} header (nnsight: api_key=... with serve=, "
+                     "NDIF_API_KEY or CONFIG.API.APIKEY with remote=True)")
     if not hmac.compare_digest(presented, expected.encode()):
         return 403, "invalid API key"
     return None
@@ -106,6 +107,23 @@ async def _reply(send: Send, status: int, detail: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+async def _refuse_subscription(receive: Receive, send: Send, status: int, detail: str) -> None:
+    """A websocket without the key: no subscription, and a refusal nnsight's client reports clearly.
+
+    Refusing the handshake itself (403) would surface in nnsight's
+    ``RemoteBackend`` as websocket-client's ``WebSocketBadStatusException``,
+    not as the ``RemoteError`` every other refusal is. So the socket is
+    accepted, answers an empty ``session_id`` (no session is opened; the
+    refusal is in ``detail``) and closes (1008, policy violation): the client
+    then posts its request with the same key and gets the 401/403 and this
+    message as ``RemoteError("Failed to send request: ...")``. Nothing runs.
+    """
+    await receive()  # websocket.connect
+    await send({"type": "websocket.accept"})
+    await send({"type": "websocket.send", "text": json.dumps({"session_id": "", "status": status, "detail": detail})})
+    await send({"type": "websocket.close", "code": 1008, "reason": detail[:120]})
+
+
 class GuardMiddleware:
     """Refuse unauthenticated and oversized requests before the application sees them.
 
@@ -122,10 +140,9 @@ class GuardMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
-            if check_api_key(scope.get("headers", []), self.api_key) is not None:
-                await receive()  # websocket.connect
-                # Closing before accepting: the server answers the handshake with 403.
-                await send({"type": "websocket.close", "code": 1008})
+            refusal = check_api_key(scope.get("headers", []), self.api_key)
+            if refusal is not None:
+                await _refuse_subscription(receive, send, *refusal)
                 return
             await self.app(scope, receive, send)
             return

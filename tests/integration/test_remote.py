@@ -151,16 +151,23 @@ def test_a_result_over_32_mib_comes_through_the_url(remote_url, client):
 
 
 def test_wrong_or_missing_key_is_refused(remote_url, client):
-    import websocket
+    from nnsight import CONFIG
     from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
-    with pytest.raises(websocket.WebSocketBadStatusException, match="403"):
-        with client.trace("Hello", max_tokens=1, backend=RemoteBackend(client.to_model_key(), api_key="wrong")):
-            client.model.layers[0].output[0].save()
-    with pytest.raises(RemoteError, match="invalid API key"):
-        with client.trace("Hello", max_tokens=1, backend=RemoteBackend(client.to_model_key(), api_key="wrong",
-                                                                      blocking=False)):
-            client.model.layers[0].output[0].save()
+    jobs = sum(book()["jobs"].values())
+    for blocking in (True, False):
+        with pytest.raises(RemoteError, match="Failed to send request: invalid API key"):
+            with client.trace("Hello", max_tokens=1, backend=RemoteBackend(client.to_model_key(), api_key="wrong",
+                                                                          blocking=blocking)):
+                client.model.layers[0].output[0].save()
+    CONFIG.API.APIKEY = None
+    try:
+        with pytest.raises(RemoteError, match="API key required"):
+            with client.trace("Hello", max_tokens=1, remote=True):
+                client.model.layers[0].output[0].save()
+    finally:
+        CONFIG.API.APIKEY = KEY
+    assert sum(book()["jobs"].values()) == jobs and book()["sessions"] == 0  # nothing was accepted
     assert httpx.post(f"{remote_url}/request").status_code == 401
     assert httpx.post(f"{remote_url}/request", headers={"ndif-api-key": "wrong"}).status_code == 403
     assert httpx.get(f"{remote_url}/response/x").status_code == 401

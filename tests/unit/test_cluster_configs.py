@@ -51,7 +51,7 @@ DEPLOYMENT = "NNsightDeployment"
 BATCH_ENTRYPOINT = "python -m nnsight_ray.batch --config /config/run.yaml"
 # build_app's documented arguments.
 SERVE_ARGS = {"model", "tensor_parallel_size", "pipeline_parallel_size", "placement_strategy", "api_key",
-              "max_body_bytes", "engine_kwargs"}
+              "max_body_bytes", "engine_kwargs", "served_names", "result_ttl_s"}
 # The batch config's documented schema (top level and sections).
 BATCH_KEYS = {"model", "engine", "prompts", "saves", "intervention", "sampling", "output"}
 BATCH_SECTIONS = {

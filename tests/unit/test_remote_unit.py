@@ -305,9 +305,11 @@ def test_a_failing_trace_ends_in_error_and_a_refused_key_or_model_never_runs(fak
     assert client.get("/ping").status_code == 200 and client.get("/download/x").status_code == 404
     from starlette.websockets import WebSocketDisconnect
 
-    with pytest.raises(WebSocketDisconnect):
-        with client.websocket_connect("/subscribe", headers={"ndif-api-key": "no"}):
-            pass
+    with client.websocket_connect("/subscribe", headers={"ndif-api-key": "no"}) as socket:
+        assert json.loads(socket.receive_text()) == {"session_id": "", "status": 403, "detail": "invalid API key"}
+        with pytest.raises(WebSocketDisconnect) as closed:
+            socket.receive_text()
+    assert closed.value.code == 1008 and host.jobs.book.stats()["sessions"] == 0
     _, starting = fake_replica(run_trace, ready=False)
     assert post(starting).status_code == 503
 
