@@ -138,8 +138,12 @@ class RankRPCMixin:
         (``take_serialized``): the engine core, blocked for this collective,
         waits for nnsight's collect only. Returns how many entries were kept.
         """
-        from .payload import unserialized
+        from . import snapshot
+        from .payload import dumps, unserialized
 
+        # Values kept for later pickling must be ones no later step writes: true of
+        # snapshots (the default); with snapshots off, pickle now, as before.
+        later = snapshot.enabled()
         finished = pickle.loads(outputs) if outputs else {}
         # One collect for the batch (nnsight keys its result by request), then one
         # entry per request: each request's merge may run on another merge actor.
@@ -148,7 +152,10 @@ class RankRPCMixin:
         kept = 0
         for rid in request_ids:
             entry = collected.get(rid) if collected else None
-            stash_put(rid, entry if entry is not None else b"")
+            if entry is None:
+                stash_put(rid, b"")
+            else:
+                stash_put(rid, entry if later else serialize_entry(rid, entry, dumps))
             kept += entry is not None
         return kept
 
