@@ -309,22 +309,29 @@ def test_a_killed_driver_leaves_no_actor_and_no_reservation(ray_cluster, model_d
 
     name = "killed-driver"
     script = tmp_path / "deploying_driver.py"
+    # "Ready" is a file, not a stdout line: Ray forwards the workers' logs to the driver's
+    # stdout from another thread, and a progress bar's line (ended by \r, not \n) once
+    # swallowed a printed "ready" line, leaving this test reading until the driver exited.
+    ready = tmp_path / "ready"
     script.write_text(textwrap.dedent("""
-        import json, sys, time, ray
+        import json, pathlib, sys, time, ray
         ray.init(address=sys.argv[1], namespace="nnsight_ray")
         from nnsight_ray import RayVLLM
         model = RayVLLM(sys.argv[2], name=sys.argv[3], **json.loads(sys.argv[4]))
-        print("ready", flush=True)
+        pathlib.Path(sys.argv[5]).write_text("ready")
         time.sleep(600)
     """))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    driver = subprocess.Popen([sys.executable, str(script), ray_cluster.address, model_dir, name,
-                               json.dumps(ENGINE_KWARGS)], stdout=subprocess.PIPE, text=True, env=env)
+    with open(tmp_path / "driver.log", "w") as log:
+        driver = subprocess.Popen([sys.executable, str(script), ray_cluster.address, model_dir, name,
+                                   json.dumps(ENGINE_KWARGS), str(ready)], stdout=log, stderr=subprocess.STDOUT,
+                                  env=env)
     try:
-        for line in driver.stdout:  # vLLM logs to stdout too
-            if line.strip() == "ready":
-                break
-        assert driver.poll() is None, "the driver died before its engine was up"
+        deadline = time.monotonic() + 300
+        while not ready.exists() and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert ready.exists() and driver.poll() is None, \
+            f"the driver's engine was not up in 300 s: {(tmp_path / 'driver.log').read_text()[-2000:]}"
         assert _live_placement_groups(placement_group_name(name)) == ["CREATED"]
         assert f"{name}.pp0.tp0" in _named_actors(f"{name}.")
     finally:
