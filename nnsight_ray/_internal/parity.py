@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 from typing import Any
 
@@ -119,6 +120,7 @@ def probe_batch_defaults(world_size: int) -> tuple[dict[str, int], dict[str, int
     return named(tokens), named(seqs), device
 
 
+@functools.cache
 def rank_engine_args_class() -> type:
     """``AsyncEngineArgs`` whose batch-size tables come from the ranks' platform when given.
 
