@@ -214,6 +214,44 @@ class RemoteEngine:
     def topology(self) -> list[dict[str, Any]]:
         return self.wait(self.engine.get_topology.remote())
 
+    # -- extraction: the ranks write every prompt token's values (``_internal.extract``) --
+
+    def ranks(self) -> list[Any]:
+        """The rank actors' handles, in rank order."""
+        import ray
+
+        from ._internal.options import NAMESPACE
+
+        if getattr(self, "_ranks", None) is None:
+            self._ranks = [ray.get_actor(r.name, namespace=NAMESPACE) for r in self.records().ranks]
+        return self._ranks
+
+    def extract_async(self, prompts: list, part: str, directory: str, locations: list[str], *,
+                      indices: list[int] | None = None, dtype: str | None = None, max_tokens: int = 1) -> Any:
+        """Prefill ``prompts``; the ranks keep every prompt token's value at ``locations`` under ``part``.
+
+        Returns the ``ObjectRef`` of the plain outputs (no saves travel). Prompt
+        ``i`` is recorded as ``indices[i]`` (default ``i``). Nothing is written
+        until ``extract_commit``.
+        """
+        from vllm import SamplingParams
+
+        from ._internal.extract import request_args
+
+        indices = list(range(len(prompts))) if indices is None else list(indices)
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False,
+                                 extra_args=request_args(part, index, directory, locations, dtype))
+                  for index in indices]
+        return self.generate_async(list(prompts), params)
+
+    def extract_commit(self, part: str, timeout: float = 600.0) -> list[Any]:
+        """One ``ObjectRef`` per rank: the file each writing rank wrote for ``part`` (None elsewhere)."""
+        return [rank.extract_commit.remote(part, timeout) for rank in self.ranks()]
+
+    def extract_discard(self, part: str) -> None:
+        for rank in self.ranks():
+            rank.extract_discard.remote(part)
+
     def resolved_config(self) -> dict[str, Any]:
         return self.wait(self.engine.resolved_config.remote())
 

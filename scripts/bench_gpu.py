@@ -45,6 +45,12 @@ Workloads (``--prompts`` prompts x ``--tokens`` greedy tokens, ``ignore_eos``, n
   ``max_tokens=1``, every prompt token's output of 4 layers saved (the SAE
   workload); tokens/s are prompt tokens, MB/s the saved values' bytes. The plain
   rows run the same prompts' prefill (``max_tokens=1``): the floor.
+* ``shards`` (RayVLLM): the same extraction written the way the batch runner's
+  ``output.format=activations`` writes it: the ranks keep every prompt token's
+  rows and write token-major safetensors files of ``--shard-prompts`` prompts
+  (``RemoteEngine.extract_async`` / ``extract_commit``), every prompt in flight;
+  MB/s is what reached the files (under ``--shards-dir``, removed between runs).
+  After each run, every process's resident memory is printed (flat = bounded).
 
 Prints one row per (engine, workload): median tokens/s, its ratio to
 ``vllm-defaults`` first, to ``vllm-eager``, RayVLLM's to LocalVLLM, and the
@@ -71,7 +77,7 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 ENGINES = ("vllm-defaults", "vllm-eager", "nnsight-eager", "nnsight-taps", "local", "ray")  # + local-profile
 PLAIN = ("vllm-defaults", "vllm-eager")
-WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "extract")
+WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "extract", "shards")
 
 
 def prompts(n: int) -> list[str]:
@@ -164,6 +170,7 @@ class Bench:
 
     def stop(self) -> None:
         if self.engine == "ray" and self.model is not None:
+            self.before_shards()
             self.model.shutdown()
 
     def workloads(self) -> list[str]:
@@ -171,7 +178,7 @@ class Bench:
         if self.engine in PLAIN:
             return [w for w in wanted if w in ("generate", "extract")]
         if self.engine != "ray":
-            wanted = [w for w in wanted if w != "nonblocking"]
+            wanted = [w for w in wanted if w not in ("nonblocking", "shards")]
         return wanted
 
     # workloads: each returns (tokens, saved bytes) after checking what came home
@@ -287,6 +294,54 @@ class Bench:
         return tokens, saved
 
 
+    def before_shards(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.shards_dir(), ignore_errors=True)
+
+    def shards_dir(self) -> Path:
+        return Path(self.args.shards_dir or tempfile.gettempdir()) / f"bench-shards-{os.getpid()}"
+
+    def run_shards(self) -> tuple[int, int]:
+        import ray
+
+        engine, texts, size = self.model.vllm_entrypoint, self.extract_texts, self.args.shard_prompts
+        locations = [f"model.layers.{i}.output" for i in self.layers]
+        out = str(self.shards_dir())
+        pending = {}
+        for start in range(0, len(texts), size):
+            part = f"shard-{start // size:05d}"
+            ref = engine.extract_async(texts[start:start + size], part, out, locations,
+                                       indices=range(start, min(start + size, len(texts))))
+            pending[ref] = part
+        commits, prompt_tokens = [], 0
+        while pending:  # commit each part as its outputs come back, as the batch runner does
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                prompt_tokens += sum(len(o.prompt_token_ids) for o in ray.get(ref))
+                commits += engine.extract_commit(pending.pop(ref))
+        written = [w for w in ray.get(commits) if w is not None]
+        rows, saved = sum(w["rows"] for w in written), sum(w["bytes"] for w in written)
+        expect(rows == prompt_tokens, f"{rows} rows written for {prompt_tokens} prompt tokens")
+        expect(saved >= rows * len(locations) * self.hidden * 2, f"{saved} bytes for {rows} rows")
+        print(f"[{self.engine}] shards: {len(written)} files, {saved / 1e6:,.0f} MB; RSS MB "
+              + ", ".join(f"{name} {mb:,.0f}" for name, mb in resident().items()), flush=True)
+        return rows, saved
+
+
+def resident() -> dict[str, float]:
+    """Resident memory (MB) of every process of the engine (``engine_processes``), largest first."""
+    import psutil
+
+    found = {}
+    for pid, name in engine_processes().items():
+        try:
+            found[f"{name.rsplit('>', 1)[-1][:24]}:{pid}"] = psutil.Process(pid).memory_info().rss / 1e6
+        except psutil.Error:
+            continue
+    return dict(sorted(found.items(), key=lambda kv: -kv[1])[:8])
+
+
 def child(args: argparse.Namespace) -> None:
     """Run one engine's workloads; write the JSON after each one (partial results survive a timeout)."""
     import torch
@@ -305,9 +360,12 @@ def child(args: argparse.Namespace) -> None:
     for workload in bench.workloads():
         run = getattr(bench, "run_" + workload.replace("-", "_"))
         try:
+            before = getattr(bench, "before_" + workload.replace("-", "_"), lambda: None)
+            before()
             run()  # warm-up (and the first check)
             times, amounts = [], None
             for _ in range(args.repeats):
+                before()
                 began = time.perf_counter()
                 amounts = run()
                 times.append(time.perf_counter() - began)
@@ -324,6 +382,8 @@ def child(args: argparse.Namespace) -> None:
         out.write_text(json.dumps(result))
     if args.profile:
         profile(bench, args.profile)
+    if args.spy:
+        spy(bench, args)
     bench.stop()
 
 
@@ -351,6 +411,88 @@ def profile(bench: Bench, top: int) -> None:
               + out.getvalue(), flush=True)
 
 
+def engine_processes() -> dict[int, str]:
+    """Every process an engine runs in: this one, its children (vLLM's engine core), and Ray's actors
+    with their children (the engine actor's engine core), by pid -> a short name."""
+    import psutil
+
+    found: dict[int, str] = {}
+
+    def add(proc, name: str) -> None:
+        found.setdefault(proc.pid, name)
+        for kid in proc.children(recursive=True):
+            try:
+                kid_name = " ".join(kid.cmdline()[:1])[:40] or kid.name()
+            except psutil.Error:
+                continue
+            found.setdefault(kid.pid, f"{name}>{kid_name}")
+
+    add(psutil.Process(), "bench")
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info.get("cmdline") or [])
+        if cmd.startswith("ray::") and "IDLE" not in cmd:
+            add(proc, cmd.split()[0][5:])
+    return found
+
+
+def spy_summary(raw: Path, top: int) -> str:
+    """A py-spy raw profile as its top frames by own samples and by inclusive samples."""
+    import collections
+
+    own, inclusive, total = collections.Counter(), collections.Counter(), 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        count, frames = int(count), stack.split(";")
+        total += count
+        names = [f.split(" (")[0] + " (" + f.rsplit("/", 1)[-1] if " (" in f else f for f in frames]
+        own[names[-1]] += count
+        for name in set(names):
+            inclusive[name] += count
+    if not total:
+        return "  (no samples)"
+    lines = [f"  {total} samples; own:"] + [f"  {v / total:6.1%} {k}" for k, v in own.most_common(top)]
+    lines += ["  inclusive:"] + [f"  {v / total:6.1%} {k}" for k, v in inclusive.most_common(top)]
+    return "\n".join(lines)
+
+
+def spy(bench: Bench, args: argparse.Namespace) -> None:
+    """Each of ``--spy-workloads`` in a loop for ``--spy`` seconds, with py-spy sampling every process
+    of the engine (the engine core, and on RayVLLM the engine, merge and rank actors): where each
+    process spends its time, printed per process; the raw profiles go to ``--spy-dir``."""
+    import shutil
+
+    binary = shutil.which("py-spy") or args.spy_bin
+    if not binary or not Path(binary).exists():
+        print("[spy] no py-spy binary (pass --spy-bin)", flush=True)
+        return
+    out = Path(args.spy_dir or tempfile.mkdtemp(prefix="spy-"))
+    out.mkdir(parents=True, exist_ok=True)
+    for workload in [w for w in args.spy_workloads.split(",") if w in bench.workloads()]:
+        run = getattr(bench, "run_" + workload.replace("-", "_"))
+        procs = engine_processes()
+        spies = []
+        for pid, name in procs.items():
+            raw = out / f"{bench.engine}-{workload}-{name.replace('/', '_').replace(' ', '_')}-{pid}.txt"
+            spies.append((name, raw, subprocess.Popen(
+                [binary, "record", "-p", str(pid), "-o", str(raw), "-f", "raw", "-r", "250",
+                 "-d", str(int(args.spy)), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+        time.sleep(1.0)  # py-spy attaches
+        runs, until = [], time.perf_counter() + args.spy - 2.0
+        while time.perf_counter() < until:
+            began = time.perf_counter()
+            run()
+            runs.append(time.perf_counter() - began)
+        for _, _, proc in spies:
+            proc.wait()
+        print(f"\nSPY {bench.engine} {workload}: {len(runs)} runs under py-spy, "
+              f"{', '.join(f'{t:.2f}' for t in runs)} s", flush=True)
+        for name, raw, _ in spies:
+            if raw.exists():
+                print(f"[{name}] {raw.name}\n{spy_summary(raw, args.spy_top)}", flush=True)
+
+
 # -- the parent: one child per engine, then the table -----------------------------------------------
 
 
@@ -368,7 +510,7 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
         for workload, got in result.get("workloads", {}).items():
             # The plain rows' "extract" is the prefill of the same prompts; every workload's plain floor is
             # plain generate, except extraction, whose floor is that prefill.
-            floor_workload = "extract" if workload == "extract" else "generate"
+            floor_workload = "extract" if workload in ("extract", "shards") else "generate"
             ratios = {}
             for key, other, other_workload in (("vs_defaults", "vllm-defaults", floor_workload),
                                                ("vs_eager", "vllm-eager", floor_workload),
@@ -405,12 +547,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--extract-prompts", type=int, default=None)
     parser.add_argument("--extract-len", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--shard-prompts", type=int, default=64, help="shards: prompts per part file")
+    parser.add_argument("--shards-dir", default="", help="shards: where the files go (default: the temp dir)")
     parser.add_argument("--model-dir", default=None, help="reuse a checkpoint built earlier")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine's child process")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after the workloads, print the top N functions of generate and trace under cProfile "
                              "(engine local-profile: LocalVLLM with vLLM's engine core in process)")
+    parser.add_argument("--spy", type=float, default=0, metavar="S",
+                        help="after the workloads, loop each of --spy-workloads for S seconds under py-spy, "
+                             "sampling every process of the engine, and print each process's top frames")
+    parser.add_argument("--spy-workloads", default="generate")
+    parser.add_argument("--spy-dir", default="", help="where the raw py-spy profiles go")
+    parser.add_argument("--spy-bin", default="", help="py-spy, where it is not on PATH")
+    parser.add_argument("--spy-top", type=int, default=25)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
@@ -437,7 +588,9 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict] = {}
     forwarded = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in
                  ("workloads", "prompts", "tokens", "traces", "repeats", "extract_prompts", "extract_len",
-                  "gpu_memory_utilization", "profile")]
+                  "shard_prompts", "shards_dir",
+                  "gpu_memory_utilization", "profile", "spy", "spy_workloads", "spy_dir", "spy_bin",
+                  "spy_top")]
     with tempfile.TemporaryDirectory() as scratch:
         for engine in engines:
             out = Path(scratch) / f"{engine}.json"

@@ -97,6 +97,18 @@ class NNsightRankProc(RayWorkerProc):
 
         return take_serialized(request_ids)
 
+    def extract_commit(self, part: str, timeout: float = 600.0) -> dict[str, Any] | None:
+        """Write extraction part ``part`` once every capture before this call is filed (``extract.commit``)."""
+        from .extract import commit
+
+        return commit(part, timeout)
+
+    def extract_discard(self, part: str) -> None:
+        """Drop what was captured for ``part`` (its requests failed; the driver resubmits them)."""
+        from .extract import discard
+
+        discard(part)
+
     def bind_cpus(self, cpus: list[int]) -> None:
         """Pin every thread of this rank's process to ``cpus`` before the worker starts.
 
@@ -298,7 +310,7 @@ class NNsightRayExecutor(RayExecutorV2):
                     runtime_env=runtime_env,
                     # One thread for vLLM's busy loop (`run`), others for the
                     # merge actors' `take_payloads` (one per merge shard at a time).
-                    max_concurrency=4,
+                    max_concurrency=8,
                     **extra_options,
                 )
                 .remote(

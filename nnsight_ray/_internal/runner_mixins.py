@@ -9,13 +9,16 @@ nnsight's runner, around vLLM's forward.
 - ``BlockNamesRunnerMixin``: a unique source name per received block (``block_names``).
 - ``SnapshotRunnerMixin``: saved values are snapshots, not views a later kernel overwrites (``snapshot``).
 - ``EnvoyRefsRunnerMixin``: requests name the rank's envoys instead of carrying a tree (``envoy_refs``).
+- ``ExtractRunnerMixin``: requests that ask for extraction have their rows written by the rank (``extract``).
 """
 
 from __future__ import annotations
 
 from .block_names import BlockNamesRunnerMixin
 from .envoy_refs import EnvoyRefsRunnerMixin
+from .extract import ExtractRunnerMixin
 from .pipeline import StageRunnerMixin
 from .snapshot import SnapshotRunnerMixin
 
-RUNNER_MIXINS = (StageRunnerMixin, BlockNamesRunnerMixin, SnapshotRunnerMixin, EnvoyRefsRunnerMixin)
+RUNNER_MIXINS = (StageRunnerMixin, BlockNamesRunnerMixin, SnapshotRunnerMixin, EnvoyRefsRunnerMixin,
+                 ExtractRunnerMixin)

@@ -10,7 +10,7 @@ The schema (agreed with ``cluster_configs/``; every section but ``model``,
     saves:        [{location, tokens}]        # or
     intervention: path/to/file.py             # defines intervene(model, tracer) -> dict
     sampling:     {max_tokens, temperature}
-    output:       {dir, shard_size}
+    output:       {dir, shard_size, format, dtype}   # format: parquet | activations
     runner:       {max_in_flight, prompts_per_trace, shard_retries, engine_restarts,
                    request_timeout_s, progress_interval_s}   # optional tuning
 
@@ -172,6 +172,15 @@ class OutputConfig(_Section):
 
     dir: str = Field(min_length=1, description="Run folder; rerunning into it resumes.")
     shard_size: int = Field(64, ge=1, description="Prompts per shard file.")
+    format: Literal["parquet", "activations"] = Field(
+        "parquet",
+        description="parquet: one row per prompt, values as float32 lists (any save, any intervention). "
+        "activations: every prompt token's values of `saves` (module outputs, tokens: all), token-major "
+        "safetensors shards written by the ranks, in the model's dtype (docs/batch.md).",
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="activations only: the stored dtype; auto keeps the dtype the model computed in."
+    )
 
 
 class RunnerConfig(_Section):
@@ -225,7 +234,32 @@ class BatchConfig(_Section):
                 seen.add(spec.location)
         if self.intervention and Path(self.intervention).suffix != ".py":
             raise ValueError(f"intervention: {self.intervention!r} should be a .py file")
+        if self.output.format == "activations":
+            if self.intervention:
+                raise ValueError("output.format=activations writes `saves` only; an `intervention` file needs "
+                                 "output.format=parquet")
+            for spec in self.saves or []:
+                if spec.attribute != "output" or spec.tokens != "all":
+                    raise ValueError(f"saves: {spec.location!r} (tokens: {spec.tokens}): output.format=activations "
+                                     "keeps module outputs at every prompt token: give '<module>.output' with "
+                                     "tokens: all, or use output.format=parquet")
+            if "max_in_flight" in self.runner.model_fields_set and self.runner.max_in_flight < self.output.shard_size:
+                raise ValueError(f"runner.max_in_flight ({self.runner.max_in_flight}) is below output.shard_size "
+                                 f"({self.output.shard_size}): with output.format=activations a shard's prompts "
+                                 "are in flight together")
+        elif self.output.dtype != "auto":
+            raise ValueError("output.dtype applies to output.format=activations (parquet stores float32)")
         return self
+
+    @property
+    def activations(self) -> bool:
+        return self.output.format == "activations"
+
+    def max_in_flight(self) -> int:
+        """Prompts in flight per replica: as configured; for activations, at least 8 shards unless set."""
+        if self.activations and "max_in_flight" not in self.runner.model_fields_set:
+            return max(self.runner.max_in_flight, 8 * self.output.shard_size)
+        return self.runner.max_in_flight
 
 
 # --------------------------------------------------------------------------- loading

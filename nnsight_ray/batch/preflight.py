@@ -76,8 +76,9 @@ def prepare(config: BatchConfig, config_file: str | None = None, resolve: bool =
         "intervention_sha256": code_digest,
         "sampling": config.sampling.model_dump(),
         "shard_size": config.output.shard_size,
+        **({"format": "activations", "dtype": config.output.dtype} if config.activations else {}),
     }
-    run_dir = RunDir(_abs(config.output.dir), fingerprint)
+    run_dir = RunDir(_abs(config.output.dir), fingerprint, activations=config.activations)
     previous = run_dir.check_compatible()
     return Prepared(config, config_file, model_path, prompts, plan_shards(prompts, config.output.shard_size),
                     fn, columns, reads, run_dir, previous)

@@ -20,7 +20,8 @@ from .scheduler import Chunk
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InFlight", "Replica", "classify", "error_info", "start_replicas", "submit_trace", "where"]
+__all__ = ["InFlight", "Replica", "classify", "error_info", "part_name", "start_replicas", "submit_extract",
+           "submit_trace", "where"]
 
 
 def submit_trace(model: Any, texts: list[str], fn: Callable, sampling: dict[str, Any]) -> Any:
@@ -44,6 +45,21 @@ class InFlight:
     chunk: Chunk
     replica: "Replica"
     submitted: float
+    part: str | None = None  # activations: the part file the ranks keep the chunk's rows under
+    commits: list[Any] | None = None  # activations, second phase: each rank's commit of ``part``
+
+
+def part_name(shard: int, positions: Sequence[int], shard_prompts: int) -> str:
+    """An activation chunk's file stem: the shard's, or (a chunk retried alone) the shard's and its first prompt."""
+    whole = len(positions) == shard_prompts and tuple(positions) == tuple(range(shard_prompts))
+    return f"shard-{shard:05d}" if whole else f"shard-{shard:05d}-p{positions[0]:06d}"
+
+
+def submit_extract(model: Any, texts: list[str], part: str, directory: str, locations: list[str],
+                   indices: list[int], dtype: str | None, max_tokens: int) -> Any:
+    """The chunk's prompts as plain requests whose rows the ranks keep under ``part``; a ref to the outputs."""
+    return model.vllm_entrypoint.extract_async(texts, part, directory, locations, indices=indices,
+                                               dtype=dtype, max_tokens=max_tokens)
 
 
 class Replica:

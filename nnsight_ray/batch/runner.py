@@ -36,7 +36,7 @@ from .config import BatchConfig
 from .errors import BatchRunError
 from .preflight import Prepared, prepare
 from .progress import Progress, format_duration
-from .replicas import InFlight, Replica, classify, error_info, start_replicas, submit_trace
+from .replicas import InFlight, Replica, classify, error_info, part_name, start_replicas, submit_extract, submit_trace
 from .scheduler import Chunk, Scheduler, ShardState
 from .shards import ShardPlan, ShardRecord
 
@@ -67,6 +67,8 @@ class BatchResult:
     failed_shards: dict[int, str] = field(default_factory=dict)
     engine_start_s: float = 0.0
     run_s: float = 0.0
+    suffix: str = "parquet"  # safetensors for output.format=activations
+    bytes_written: int = 0  # activations: what the ranks wrote
 
     @property
     def prompts_per_s(self) -> float:
@@ -82,7 +84,7 @@ class BatchResult:
             f"batch {head}: {self.prompts_run} prompts run, {self.prompts_skipped} already done, "
             f"{self.errors} errors; {self.prompts_per_s:.1f} prompts/s over {format_duration(self.run_s)} "
             f"(+ {self.engine_start_s:.1f} s engine start)",
-            f"  shards:   {self.output_dir}/shard-*.parquet ({self.shards_written} written, "
+            f"  shards:   {self.output_dir}/shard-*.{self.suffix} ({self.shards_written} written, "
             f"{self.shards_skipped} skipped, {self.shards_total} planned)",
             f"  manifest: {self.manifest}",
             f"  errors:   {self.errors_file} ({self.errors} prompt(s))",
@@ -117,6 +119,7 @@ class BatchRunner:
         self.written = 0
         self.prompts_run = 0
         self.errors = 0
+        self.bytes_written = 0  # activations: bytes the ranks wrote
 
     # -- the whole run --------------------------------------------------------
 
@@ -160,13 +163,17 @@ class BatchRunner:
             shards_skipped=len(prepared.plans) - len(todo), failed_shards=dict(self.failed),
             engine_start_s=self.engine_start_s,
             run_s=self._run_s(),
+            suffix="safetensors" if self.config.activations else "parquet",
+            bytes_written=self.bytes_written,
         )
         self._write_manifest(force=True, result=result)
         return result
 
     def _loop(self, todo: list[ShardPlan], skipped_prompts: int) -> None:
         runner = self.config.runner
-        scheduler = Scheduler(todo, runner.prompts_per_trace, runner.shard_retries)
+        # Activations: a chunk is a whole shard, so its rows land in one file per pipeline stage.
+        chunk_size = self.config.output.shard_size if self.config.activations else runner.prompts_per_trace
+        scheduler = Scheduler(todo, chunk_size, runner.shard_retries)
         progress = Progress(len(self.prepared.prompts), initial=skipped_prompts, interval_s=runner.progress_interval_s,
                             stream=self.stream, interactive=self.interactive)
         sampling = self.config.sampling.model_dump()
@@ -187,6 +194,11 @@ class BatchRunner:
                     entry = in_flight[ref]
                     if entry.replica.in_flight.pop(ref, None) is None:
                         continue  # the replica failed meanwhile; the chunk was requeued
+                    if entry.part is not None:
+                        outcome = self._extracted(entry, outcome)
+                        if isinstance(outcome, InFlight):  # its commits are in flight now
+                            entry.replica.in_flight[outcome.commits[0]] = outcome
+                            continue
                     entry.replica.prompts_in_flight -= len(entry.chunk)
                     self._handle(entry, outcome, scheduler, progress)
                 self._check_timeouts(scheduler)
@@ -199,20 +211,63 @@ class BatchRunner:
     # -- submitting -----------------------------------------------------------
 
     def _fill(self, replica: Replica, scheduler: Scheduler, sampling: dict, progress: Progress) -> None:
-        window = self.config.runner.max_in_flight
+        window = self.config.max_in_flight()
         while replica.alive:
             chunk = scheduler.next_chunk(window - replica.prompts_in_flight)
             if chunk is None:
                 return
             scheduler.started(chunk, replica.name)
+            part = None
             try:
-                ref = submit_trace(replica.model, scheduler.prompts(chunk), self.prepared.fn, sampling)
+                if self.config.activations:
+                    part = part_name(chunk.shard, chunk.positions, len(self.prepared.plans[chunk.shard].prompts))
+                    ref = self._submit_extract(replica, chunk, part, scheduler, sampling)
+                else:
+                    ref = submit_trace(replica.model, scheduler.prompts(chunk), self.prepared.fn, sampling)
             except Exception as error:
                 # The client could not even build the trace: a request failure of its prompts.
                 self._handle(InFlight(chunk, replica, time.monotonic()), error, scheduler, progress)
                 continue
-            replica.in_flight[ref] = InFlight(chunk, replica, time.monotonic())
+            replica.in_flight[ref] = InFlight(chunk, replica, time.monotonic(), part=part)
             replica.prompts_in_flight += len(chunk)
+
+    def _submit_extract(self, replica: Replica, chunk: Chunk, part: str, scheduler: Scheduler,
+                        sampling: dict) -> Any:
+        base = chunk.shard * self.config.output.shard_size
+        dtype = None if self.config.output.dtype == "auto" else self.config.output.dtype
+        return submit_extract(replica.model, scheduler.prompts(chunk), part, str(self.prepared.run_dir.path),
+                              [s.location for s in self.config.saves or []], [base + p for p in chunk.positions],
+                              dtype, sampling["max_tokens"])
+
+    def _extracted(self, entry: InFlight, outcome: Any) -> InFlight | dict[str, Any] | BaseException:
+        """An activation chunk's next phase: its outputs are back -> the ranks' commits; commits back -> its rows."""
+        import ray
+
+        from .._internal.ray_errors import get as ray_get
+
+        if entry.commits is None:
+            if isinstance(outcome, BaseException):
+                entry.replica.model.vllm_entrypoint.extract_discard(entry.part)
+                return outcome
+            commits = entry.replica.model.vllm_entrypoint.extract_commit(entry.part)
+            return InFlight(entry.chunk, entry.replica, entry.submitted, part=entry.part, commits=commits)
+        if isinstance(outcome, BaseException):
+            return outcome
+        try:
+            written = [w for w in ray_get(entry.commits) if w is not None]
+        except Exception as error:  # a rank died while writing
+            return error if isinstance(error, ray.exceptions.RayError) else RuntimeError(f"writing {entry.part}: {error}")
+        base = entry.chunk.shard * self.config.output.shard_size
+        files = [Path(w["file"]).name for w in written if w.get("file")]
+        rows = []
+        for position in entry.chunk.positions:
+            counts = {w["prompts"].get(base + position) for w in written}
+            if len(counts) == 1 and None not in counts:
+                rows.append({"tokens": counts.pop(), "files": files})
+            else:
+                rows.append(None)  # the ranks hold no rows of it: vLLM never ran it whole
+        self.bytes_written += sum(w.get("bytes", 0) for w in written)
+        return {"rows": rows}
 
     def _wait(self, in_flight: dict[Any, InFlight]) -> list[tuple[Any, Any]]:
         """Resolved refs with their result (``{"saves", "error"}``) or the exception."""
@@ -271,7 +326,14 @@ class BatchRunner:
             elapsed_s=round(time.time() - state.started_at, 3), finished_at=time.time(),
             replica=sorted(state.replicas), attempts=1 + len(state.failures),
         )
-        self.records[plan.index] = self.prepared.run_dir.write_shard(plan, state.rows, self.prepared.columns, record)
+        if self.config.activations:
+            rows = [state.rows.get(i) or {} for i in plan.ids]
+            record.files = sorted({name for row in rows for name in (row.get("values") or {}).get("files", [])})
+            record.rows = sum((row.get("values") or {}).get("tokens", 0) for row in rows)
+            self.records[plan.index] = self.prepared.run_dir.write_record(plan, record)
+        else:
+            self.records[plan.index] = self.prepared.run_dir.write_shard(plan, state.rows, self.prepared.columns,
+                                                                         record)
         self.written += 1
         self._write_manifest()
 
@@ -363,6 +425,11 @@ class BatchRunner:
         prepared.run_dir.write_manifest(manifest, self.records)
 
     def _columns(self) -> dict[str, Any]:
+        if self.prepared.config.activations:
+            return {"format": "activations", "layout": "token-major safetensors: one [rows, hidden] tensor per "
+                    "location, plus token_ids, prompt_index (row of the prompt file) and position (in the prompt)",
+                    "locations": [s.location for s in self.prepared.config.saves or []],
+                    "dtype": self.prepared.config.output.dtype}
         if self.prepared.config.intervention:
             return {"from": f"intervene() in {self.prepared.config.intervention}"}
         order = [r.name for r in self.prepared.reads]

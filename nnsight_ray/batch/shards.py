@@ -60,6 +60,11 @@ class ShardPlan:
         return f"shard-{self.index:05d}.parquet"
 
 
+def record_file(plan: ShardPlan) -> str:
+    """An activation shard's record (``output.format=activations``): written once its files are complete."""
+    return f"shard-{plan.index:05d}.json"
+
+
 def plan_shards(prompts: Sequence[Prompt], shard_size: int) -> list[ShardPlan]:
     return [
         ShardPlan(index, tuple(prompts[start : start + shard_size]))
@@ -81,6 +86,8 @@ class ShardRecord:
     replica: list[str] = field(default_factory=list)
     attempts: int = 1
     digest: str = ""
+    files: list[str] = field(default_factory=list)  # activations: the safetensors files the ranks wrote
+    rows: int = 0  # activations: token rows in those files
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ShardRecord":
@@ -108,8 +115,9 @@ def to_array(value: Any):
 class RunDir:
     """The run folder: resume checks, atomic shard and manifest writes."""
 
-    def __init__(self, path: str | os.PathLike, fingerprint: dict[str, Any]) -> None:
+    def __init__(self, path: str | os.PathLike, fingerprint: dict[str, Any], activations: bool = False) -> None:
         self.path = Path(path)
+        self.activations = activations
         self.fingerprint = fingerprint
         self.digest = fingerprint_digest(fingerprint)
 
@@ -159,6 +167,8 @@ class RunDir:
         """Shards whose files are complete and belong to this plan."""
         import pyarrow.parquet as pq
 
+        if self.activations:
+            return self._finished_activations(plans)
         done = {}
         for plan in plans:
             path = self.path / plan.file
@@ -173,7 +183,35 @@ class RunDir:
                 done[plan.index] = record
         return done
 
+    def _finished_activations(self, plans: Iterable[ShardPlan]) -> dict[int, ShardRecord]:
+        """Activation shards: a record file (written last, after the ranks' files) whose files all exist."""
+        done = {}
+        for plan in plans:
+            try:
+                record = ShardRecord.from_json(json.loads((self.path / record_file(plan)).read_text()))
+            except (OSError, ValueError, TypeError):
+                continue
+            if (record.digest == self.digest and record.ids == plan.ids
+                    and all((self.path / name).exists() for name in record.files)):
+                done[plan.index] = record
+        return done
+
     # -- during the run -------------------------------------------------------
+
+    def write_record(self, plan: ShardPlan, record: ShardRecord) -> ShardRecord:
+        """Activations: the shard is done once its record is written (after every file it lists).
+
+        Files of this shard that the record does not list (an earlier attempt's, or a
+        killed run's) are removed, so a folder holds every token row exactly once.
+        """
+        record.digest = self.digest
+        keep = set(record.files)
+        for stale in self.path.glob(f"shard-{plan.index:05d}*.safetensors"):
+            if stale.name not in keep:
+                stale.unlink(missing_ok=True)
+        text = json.dumps(asdict(record), default=str)
+        self._atomic(self.path / record_file(plan), lambda handle: handle.write(text.encode()))
+        return record
 
     def write_shard(self, plan: ShardPlan, rows: dict[str, dict[str, Any]], columns: Sequence[str],
                     record: ShardRecord) -> ShardRecord:

@@ -146,6 +146,55 @@ def test_shards_equal_local_traces_at_tp2(ray_tp2, local_llama, model_dir, tmp_p
     assert again.prompts_run == 0 and again.shards_skipped == 3 and again.complete
 
 
+def read_activations(folder: Path) -> dict[str, "numpy.ndarray"]:
+    """An activation run as a trainer reads it: manifest.json + safetensors + numpy, nothing of nnsight_ray."""
+    import numpy
+    from safetensors.numpy import load_file
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    parts = [load_file(str(folder / name)) for shard in manifest["shards"] for name in shard["files"]]
+    return {key: numpy.concatenate([p[key] for p in parts]) for key in parts[0]}
+
+
+ACTIVATIONS = [{"location": "model.layers.3.output", "tokens": "all"},
+               {"location": "model.layers.1.output", "tokens": "all"}]
+
+
+def test_activation_shards_equal_local_traces_at_tp2(ray_tp2, local_llama, model_dir, tmp_path):
+    """output.format=activations: token-major safetensors written by the ranks, equal to LocalVLLM's values."""
+    config = make_config(tmp_path, model_dir, PROMPTS, saves=ACTIVATIONS,
+                         output={"format": "activations"}, runner={})
+    result, log = run(config, engines=[ray_tp2])
+    assert result.complete and result.prompts_run == len(PROMPTS) and result.errors == 0, log
+    assert result.shards_written == 3 and "shard-*.safetensors" in result.summary() and result.bytes_written > 0
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.glob("shard-*.safetensors")) == [f"shard-{i:05d}.safetensors" for i in range(3)]
+    data = read_activations(out)
+    assert data["model.layers.1.output"].dtype.name == "float32"  # the model's dtype ("auto")
+    assert data["prompt_index"].tolist() == sorted(data["prompt_index"].tolist())
+    for index, prompt in enumerate(PROMPTS):
+        rows = data["prompt_index"] == index
+        tokens = local_llama.tokenizer(prompt)["input_ids"]
+        assert data["token_ids"][rows].tolist() == tokens and data["position"][rows].tolist() == list(range(len(tokens)))
+        for save in ACTIVATIONS:
+            assert_close(torch.from_numpy(data[save["location"]][rows]), reference(local_llama, prompt)[save["location"]])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["columns"]["format"] == "activations"
+    assert sum(s["rows"] for s in manifest["shards"]) == len(data["token_ids"])
+
+    again, _ = run(config, engines=[ray_tp2])
+    assert again.prompts_run == 0 and again.shards_skipped == 3 and again.complete
+
+    half = make_config(tmp_path, model_dir, PROMPTS[:4], name="half", saves=ACTIVATIONS[:1],
+                       output={"format": "activations", "dtype": "float16"}, runner={})
+    run(half, engines=[ray_tp2])
+    data = read_activations(tmp_path / "half")
+    assert data["model.layers.3.output"].dtype.name == "float16"
+    rows = data["prompt_index"] == 1
+    assert_close(torch.from_numpy(data["model.layers.3.output"][rows].astype("float32")),
+                 reference(local_llama, PROMPTS[1])["model.layers.3.output"], rel=2e-3)
+
+
 def test_two_replicas_give_the_same_outputs_as_one(ray_tp1, ray_tp2, model_dir, tmp_path):
     prompts = [f"prompt {i}: " + "abcdefgh"[: i % 8] for i in range(24)]
     one = make_config(tmp_path, model_dir, prompts, name="one", runner={"max_in_flight": 4, "prompts_per_trace": 2})
@@ -268,6 +317,30 @@ def test_with_every_engine_dead_the_run_stops_and_a_rerun_finishes(doomed_refs, 
 # --------------------------------------------------------------------------- resume
 
 
+def kill_midway(config: dict, ray_cluster, tmp_path: Path, done: str) -> tuple[list[str], dict]:
+    """Run ``config`` through the CLI on the session's ``tp1``; SIGKILL it once two ``done`` files exist.
+
+    Returns the command and environment, for the rerun.
+    """
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "nnsight_ray.batch", "--config", str(path), "--address", ray_cluster.address,
+               "--connect", "tp1"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = Path(config["output"]["dir"])
+    log = tmp_path / "first.log"
+    with open(log, "wb") as handle:  # a file, not a pipe nobody drains
+        first = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while len(list(out.glob(done))) < 2:
+        assert first.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no {done} written in 240 s"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=60)
+    return command, env
+
+
 def test_resume_after_a_killed_run_has_no_duplicates_and_no_gaps(ray_cluster, ray_tp1, local_llama, model_dir,
                                                                  tmp_path):
     prompts = [f"resume {i} " + "xyz"[: i % 3] for i in range(80)]
@@ -275,22 +348,8 @@ def test_resume_after_a_killed_run_has_no_duplicates_and_no_gaps(ray_cluster, ra
     config = make_config(tmp_path, model_dir, prompts, output={"dir": str(tmp_path / "out"), "shard_size": 8},
                          runner={"max_in_flight": 1, "prompts_per_trace": 1, "progress_interval_s": 1},
                          sampling={"max_tokens": 8})
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "nnsight_ray.batch", "--config", str(path), "--address", ray_cluster.address,
-               "--connect", "tp1"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = tmp_path / "out"
-    log = tmp_path / "first.log"
-    with open(log, "wb") as handle:  # a file, not a pipe nobody drains
-        first = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 240
-    while len(list(out.glob("shard-*.parquet"))) < 2:
-        assert first.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "no shard written in 240 s"
-        time.sleep(0.05)
-    first.send_signal(signal.SIGKILL)
-    first.wait(timeout=60)
+    command, env = kill_midway(config, ray_cluster, tmp_path, "shard-*.parquet")
     kept = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("shard-*.parquet")}
     assert 2 <= len(kept) < 10, f"kill the run midway: {len(kept)} of 10 shards were written"
 
@@ -309,6 +368,38 @@ def test_resume_after_a_killed_run_has_no_duplicates_and_no_gaps(ray_cluster, ra
     assert manifest["status"] == "complete" and [r["status"] for r in manifest["runs"]] == ["running", "complete"]
     for row in got[::9]:
         check_against_local(local_llama, row, config["saves"])
+
+
+def test_activation_resume_after_a_killed_run_has_every_token_row_once(ray_cluster, ray_tp1, local_llama,
+                                                                        model_dir, tmp_path):
+    prompts = [f"resume {i} " + "xyz"[: i % 3] for i in range(60)]
+    # One shard in flight at a time, 24 decode steps each: slow enough to kill midway.
+    config = make_config(tmp_path, model_dir, prompts, saves=ACTIVATIONS[:1], sampling={"max_tokens": 24},
+                         output={"dir": str(tmp_path / "out"), "shard_size": 6, "format": "activations"},
+                         runner={"max_in_flight": 6, "progress_interval_s": 1})
+    out = tmp_path / "out"
+    command, env = kill_midway(config, ray_cluster, tmp_path, "shard-*.json")
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.safetensors")
+            if (out / p.name.replace(".safetensors", ".json")).exists()}
+    assert 2 <= len(kept) < 10, f"kill the run midway: {len(kept)} of 10 shards were recorded"
+
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"{6 * len(kept)} already done" in second.stdout
+    for name, stamp in kept.items():
+        assert (out / name).stat().st_mtime_ns == stamp, f"{name} was rewritten"
+    manifest = json.loads((out / "manifest.json").read_text())
+    listed = sorted(name for shard in manifest["shards"] for name in shard["files"])
+    assert sorted(p.name for p in out.glob("*.safetensors")) == listed, "no file the manifest does not list"
+    assert not list(out.glob("*.tmp-*"))
+    data = read_activations(out)
+    pairs = list(zip(data["prompt_index"].tolist(), data["position"].tolist()))
+    want = [(i, j) for i, prompt in enumerate(prompts) for j in range(len(local_llama.tokenizer(prompt)["input_ids"]))]
+    assert pairs == want, "every token row exactly once, in prompt order"
+    for index in (0, 31, 59):
+        rows = data["prompt_index"] == index
+        assert_close(torch.from_numpy(data["model.layers.3.output"][rows]),
+                     reference(local_llama, prompts[index])["model.layers.3.output"])
 
 
 def test_a_killed_driver_that_started_its_engine_leaves_no_actor_and_no_reservation(ray_cluster, model_dir,

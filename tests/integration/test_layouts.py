@@ -180,6 +180,37 @@ def test_layout_matches_single_device(engine, reference):
 
 
 @ray_layouts
+def test_extraction_files_equal_single_device(engine, reference, tmp_path):
+    """Rank-written activations (issue 24): every prompt token of every layer, one file per stage, rows aligned."""
+    from safetensors.numpy import load_file
+
+    name, model = engine
+    pp = LAYOUTS[name].get("pipeline_parallel_size", 1)
+    locations = [f"model.layers.{i}.output" for i in range(N_LAYERS)]
+    ray.get(model.vllm_entrypoint.extract_async(PROMPTS, "part-x", str(tmp_path), locations, indices=[7, 3, 5]))
+    written = [w for w in ray.get(model.vllm_entrypoint.extract_commit("part-x")) if w is not None]
+    assert len(written) == pp, f"one writer per stage: {written}"
+    files = sorted(tmp_path.glob("part-x*.safetensors"))
+    assert [f.name for f in files] == ([f"part-x.stage{s}.safetensors" for s in range(pp)] if pp > 1
+                                       else ["part-x.safetensors"])
+    stages = [load_file(str(f)) for f in files]
+    for stage in stages[1:]:  # every stage's rows are the same tokens in the same order
+        for key in ("token_ids", "prompt_index", "position"):
+            assert (stage[key] == stages[0][key]).all()
+    data = {k: v for stage in stages for k, v in stage.items()}
+    assert sorted(k for k in data if k.startswith("model.")) == locations
+    assert list(dict.fromkeys(data["prompt_index"].tolist())) == [3, 5, 7], "rows sorted by prompt index"
+    for index, prompt in zip([7, 3, 5], PROMPTS):
+        rows = data["prompt_index"] == index
+        assert (data["position"][rows] == range(int(rows.sum()))).all()
+        for layer, location in enumerate(locations):
+            assert_close(torch.from_numpy(data[location][rows]), reference[prompt]["layers"][layer])
+    # nothing is kept for a committed part, and a second commit writes an empty one
+    again = [w for w in ray.get(model.vllm_entrypoint.extract_commit("part-x")) if w is not None]
+    assert all(w["rows"] == 0 and w["file"] is None for w in again)
+
+
+@ray_layouts
 def test_registered_block_reads_first_and_last_stage(engine, local_llama):
     _, model = engine
     prompts = ["Hello", "World!"]

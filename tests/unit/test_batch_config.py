@@ -110,6 +110,59 @@ def test_bad_values_say_where_and_why(tmp_path, override, needle):
     assert needle in str(error.value)
 
 
+ACTIVATION_SAVES = [{"location": "model.layers.1.output", "tokens": "all"}]
+
+
+@pytest.mark.parametrize(
+    "sections, needle",
+    [
+        ({}, "give '<module>.output' with tokens: all"),  # minimal's saves: last token, and logits
+        ({"saves": [{"location": "model.layers.1.input", "tokens": "all"}]}, "keeps module outputs"),
+        ({"saves": None, "intervention": "x.py"}, "an `intervention` file needs output.format=parquet"),
+        ({"saves": ACTIVATION_SAVES, "runner": {"max_in_flight": 2, "prompts_per_trace": 1}},
+         "below output.shard_size"),
+    ],
+)
+def test_activations_refuse_what_they_cannot_write(tmp_path, sections, needle):
+    data = {**minimal(tmp_path), **sections}
+    data["output"] = {**data["output"], "format": "activations"}
+    with pytest.raises(BatchConfigError) as error:
+        validate(data)
+    assert needle in str(error.value)
+
+
+def test_activations_defaults_keep_a_gpu_engine_busy(tmp_path):
+    data = {**minimal(tmp_path), "saves": ACTIVATION_SAVES}
+    data["output"] = {**data["output"], "format": "activations", "shard_size": 64}
+    config = validate(data)
+    assert config.activations and config.output.dtype == "auto"
+    assert config.max_in_flight() == 8 * 64  # not the parquet runner's 32
+    data["runner"] = {"max_in_flight": 100}
+    assert validate(data).max_in_flight() == 100  # as set
+    plain = validate(minimal(tmp_path))
+    assert not plain.activations and plain.max_in_flight() == 32
+    with pytest.raises(BatchConfigError, match="output.dtype applies to output.format=activations"):
+        validate({**minimal(tmp_path), "output": {"dir": str(tmp_path / "o"), "dtype": "float16"}})
+
+
+def test_activation_part_names():
+    from nnsight_ray.batch.replicas import part_name
+
+    assert part_name(3, range(8), 8) == "shard-00003"
+    assert part_name(3, (5,), 8) == "shard-00003-p000005"  # a prompt retried alone
+    assert part_name(0, (0,), 1) == "shard-00000"
+
+
+def test_rank_capture_reads_the_residual_stream():
+    from nnsight_ray._internal.extract import capture
+
+    hidden, res = torch.randn(5, 4), torch.randn(5, 4)
+    rows = torch.tensor([1, 3])
+    assert torch.equal(capture((hidden, res), rows), (hidden + res)[rows])
+    assert torch.equal(capture(hidden, rows), hidden[rows])
+    assert torch.equal(capture((hidden, torch.randn(2)), rows), hidden[rows])  # not a pair: the first
+
+
 def test_missing_required_sections(tmp_path):
     data = minimal(tmp_path)
     del data["prompts"]
@@ -481,3 +534,16 @@ def test_cli_build_model_delegates(tmp_path, monkeypatch):
     monkeypatch.setattr("nnsight_ray.models.main", lambda argv: calls.append(argv))
     assert cli.main(["build-model", str(tmp_path / "m"), "--arch", "gpt2"]) == 0
     assert calls == [[str(tmp_path / "m"), "--arch", "gpt2"]]
+
+
+def test_activation_files_are_safetensors_written_from_pieces(tmp_path):
+    from safetensors.torch import load_file
+
+    from nnsight_ray._internal.extract import write_safetensors
+
+    a = torch.randn(7, 3, dtype=torch.bfloat16)
+    ids = torch.arange(7, dtype=torch.int64)
+    path = tmp_path / "x.safetensors"
+    write_safetensors(str(path), {"h": [a[:2], a[2:2], a[2:]], "ids": [ids]}, {"format": "f"})
+    got = load_file(str(path))
+    assert torch.equal(got["h"], a) and got["h"].dtype == torch.bfloat16 and torch.equal(got["ids"], ids)

@@ -1,0 +1,354 @@
+"""Activation extraction on the ranks: every prompt token's values, written as shard files by the rank.
+
+The SAE-dataset workload (issue 24) saves a few layers' outputs at every
+prompt token of millions of prompts. Carried home the general way (an nnsight
+block per request, its saves pickled rank -> merge actor -> object store ->
+caller) it ran at 0.03-0.05x of plain prefill on the H200: per request, a
+block to serialize, compile and run; per value, a pickle at every hop.
+
+Here no request carries a block. A request asks for extraction in its
+``SamplingParams.extra_args`` (``KEY``: the part file it belongs to, its
+prompt index, the locations, the dtype), so it is a plain request to vLLM and
+to the engine loop (nothing to collect: ``engine.carries_block`` is False).
+On the rank:
+
+1. ``ExtractRunnerMixin._update_states``: when a step schedules new requests
+   that ask for extraction, their rows in the step's flattened batch are
+   noted (prefill only: chunked prefill and prefix caching are off on an
+   nnsight engine, so a new request's whole prompt is in its first step).
+   Steps with none cost a scan of the step's new requests.
+2. A PyTorch forward hook on each asked module (installed once, inert when no
+   step is capturing) takes those rows of the module's output with one
+   ``index_select`` (a copy: vLLM's CUDA kernels later update a layer's output
+   in place, the copy is what the layer produced), casts it to the asked dtype
+   and starts its copy to pinned host memory without waiting.
+3. After the forward, the step's copies and a CUDA event go to this process's
+   writer thread, which waits on the event and files each request's rows under
+   its part.
+4. ``commit(part)`` (the driver's call on the rank actor, second actor thread)
+   queues behind every capture before it, then writes the part's rows, sorted
+   by prompt index and position, as one safetensors file (temp file +
+   rename), straight from the pinned buffers (``write_safetensors``), and
+   answers with what it wrote.
+
+So a value is copied twice after the forward: device rows -> pinned host
+memory (on a side CUDA stream, overlapping the next layers), host -> file.
+
+Only the first tensor-parallel rank of each pipeline stage writes (a layer's
+output is whole on every TP rank); with pipeline stages each stage writes its
+own layers' file of the part, with the same row order (``part.stageK``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# The extra_args key a request asks for extraction with.
+KEY = "nnsight_ray_extract"
+# Parts not committed within this many seconds are dropped (the driver that owned them is gone).
+PART_TTL_S = float(os.environ.get("NNSIGHT_RAY_EXTRACT_TTL_S", "900"))
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def request_args(part: str, index: int, directory: str, locations: list[str], dtype: str | None) -> dict[str, Any]:
+    """What one request puts under ``extra_args[KEY]`` (see ``RemoteEngine.extract_async``)."""
+    return {KEY: {"part": part, "index": int(index), "dir": directory, "locations": list(locations), "dtype": dtype}}
+
+
+def capture(output: Any, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` of a module output as one tensor (a copy): a same-shape pair summed (vLLM's deferred
+    residual add: the residual stream), else the first item. The batch runner's
+    ``interventions.to_residual`` reads the same thing through nnsight."""
+    if isinstance(output, (tuple, list)):
+        first = output[0]
+        if (len(output) == 2 and isinstance(first, torch.Tensor) and isinstance(output[1], torch.Tensor)
+                and output[1].shape == first.shape):
+            return first.index_select(0, rows) + output[1].index_select(0, rows)
+        output = first
+    return output.index_select(0, rows)
+
+
+FORMAT = "nnsight_ray.activations/1"
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+                       torch.int32: "I32"}
+
+
+def write_safetensors(path: str, columns: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> None:
+    """A safetensors file whose tensor ``name`` is ``columns[name]`` concatenated along dim 0.
+
+    Written piece by piece from the host buffers the rows were copied into:
+    no concatenation, no second copy (``safetensors.torch.save_file`` would
+    make both). The format is the header length (8 bytes, little endian), a
+    JSON header padded to 8 bytes, then each tensor's bytes in header order.
+    """
+    import json
+    import struct
+
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, pieces in columns.items():
+        first = pieces[0]
+        rows = sum(int(p.shape[0]) for p in pieces)
+        size = rows * math.prod(first.shape[1:]) * first.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[first.dtype], "shape": [rows, *first.shape[1:]],
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)))
+        handle.write(encoded)
+        for pieces in columns.values():
+            for piece in pieces:
+                piece = piece.contiguous()
+                if piece.numel():
+                    # bytes as they are (numpy has no bfloat16): a view, written without a copy
+                    handle.write(memoryview(piece.view(torch.uint8).numpy() if piece.dim() else piece.numpy()))
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+@dataclass
+class StepCapture:
+    """One step's extraction: which rows, and the host copies of each location's rows."""
+
+    rows: torch.Tensor  # flattened-batch row of every captured token, on the model's device
+    requests: list[tuple[str, int, int, list[int], dict[str, Any]]]  # (request id, first row, tokens, ids, spec)
+    dtype: torch.dtype | None
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    event: Any = None
+
+
+@dataclass
+class Part:
+    """Rows captured for one part file, not yet committed."""
+
+    directory: str
+    created: float
+    entries: list[tuple[int, list[int], dict[str, torch.Tensor]]] = field(default_factory=list)
+
+
+class Writer:
+    """This rank process's captures, parts and writer thread (one per process, made on first use)."""
+
+    def __init__(self, stage: int, stages: int, writes: bool) -> None:
+        self.stage, self.stages, self.writes = stage, stages, writes
+        self.queue: queue.Queue = queue.Queue()
+        self.parts: dict[str, Part] = {}
+        self.thread = threading.Thread(target=self._run, name="nnsight-ray-extract", daemon=True)
+        self.thread.start()
+
+    # -- the writer thread ----------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            kind, item, reply = self.queue.get()
+            try:
+                result = self._file(item) if kind == "capture" else (
+                    self._commit(item) if kind == "commit" else self._discard(item))
+            except BaseException as error:  # noqa: BLE001 - goes back to the caller
+                logger.exception("extraction writer: %s failed", kind)
+                if reply is not None:
+                    reply.set_exception(error)
+                continue
+            if reply is not None:
+                reply.set_result(result)
+
+    def _file(self, capture: StepCapture) -> None:
+        if capture.event is not None:
+            capture.event.synchronize()
+        now = time.monotonic()
+        for _, first, count, ids, spec in capture.requests:
+            part = self.parts.get(spec["part"])
+            if part is None:
+                part = self.parts[spec["part"]] = Part(spec["dir"], now)
+            values = {loc: v.narrow(0, first, count) for loc, v in capture.values.items()
+                      if loc in spec["locations"]}
+            part.entries.append((spec["index"], ids, values))
+        for name in [n for n, p in self.parts.items() if now - p.created > PART_TTL_S]:
+            logger.warning("extraction part %s was never committed; dropped", name)
+            del self.parts[name]
+
+    def _commit(self, name: str) -> dict[str, Any] | None:
+        part = self.parts.pop(name, None)
+        if not self.writes:
+            return None
+        if part is None:
+            return {"file": None, "prompts": {}, "rows": 0, "bytes": 0, "stage": self.stage}
+        entries: dict[int, tuple] = {}
+        for entry in sorted(part.entries, key=lambda e: e[0]):
+            entries.setdefault(entry[0], entry)  # a prompt captured twice (a preempted request's recompute) once
+        ordered = list(entries.values())
+        locations = sorted({loc for _, _, values in ordered for loc in values})
+        counts = [len(ids) for _, ids, _ in ordered]
+        columns: dict[str, list[torch.Tensor]] = {loc: [values[loc] for _, _, values in ordered] for loc in locations}
+        columns["token_ids"] = [torch.tensor([t for _, ids, _ in ordered for t in ids], dtype=torch.int64)]
+        columns["prompt_index"] = [torch.repeat_interleave(torch.tensor([i for i, _, _ in ordered], dtype=torch.int64),
+                                                           torch.tensor(counts, dtype=torch.int64))]
+        columns["position"] = [torch.cat([torch.arange(n, dtype=torch.int64) for n in counts])
+                               if counts else torch.zeros(0, dtype=torch.int64)]
+        suffix = f".stage{self.stage}" if self.stages > 1 else ""
+        path = os.path.join(part.directory, f"{name}{suffix}.safetensors")
+        os.makedirs(part.directory, exist_ok=True)
+        temporary = f"{path}.tmp-{os.getpid()}"
+        write_safetensors(temporary, columns, {"format": FORMAT, "stage": str(self.stage), "stages": str(self.stages)})
+        os.replace(temporary, path)
+        return {"file": path, "prompts": {index: n for (index, _, _), n in zip(ordered, counts)},
+                "rows": sum(counts), "bytes": os.path.getsize(path), "stage": self.stage, "locations": locations}
+
+    def _discard(self, name: str) -> None:
+        self.parts.pop(name, None)
+
+    # -- the callers ----------------------------------------------------------
+
+    def submit(self, kind: str, item: Any, timeout: float | None = None) -> Any:
+        reply: Future = Future()
+        self.queue.put((kind, item, reply))
+        return reply.result(timeout=timeout)
+
+
+_writer: Writer | None = None
+_writer_lock = threading.Lock()
+# (pipeline stage, stages, whether this rank writes): set when the rank loads its model.
+_layout = (0, 1, True)
+
+
+def configure(stage: int, stages: int, writes: bool) -> None:
+    global _layout
+    _layout = (stage, stages, writes)
+
+
+def writer() -> Writer:
+    """This process's writer, its thread started on first use."""
+    global _writer
+    with _writer_lock:
+        if _writer is None:
+            _writer = Writer(*_layout)
+        return _writer
+
+
+def commit(part: str, timeout: float = 600.0) -> dict[str, Any] | None:
+    """Write ``part``'s file once every capture before this call is filed; None on a rank that does not write."""
+    return writer().submit("commit", part, timeout)
+
+
+def discard(part: str) -> None:
+    writer().queue.put(("discard", part, None))
+
+
+class ExtractRunnerMixin:
+    """Runner mixin: captures the rows of requests that ask for extraction (module docstring)."""
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+        pp = get_pp_group()
+        self._extract_writes = get_tensor_model_parallel_rank() == 0
+        configure(pp.rank_in_group, pp.world_size, self._extract_writes)
+        self._extract_hooks: dict[str, Any] = {}
+        self._extract_step: StepCapture | None = None
+        self._extract_seen: set[str] = set()
+        self._extract_stream: Any = None
+
+    def _update_states(self, scheduler_output: Any) -> Any:
+        result = super()._update_states(scheduler_output)  # type: ignore[misc]
+        self._extract_step = None
+        asking = {}
+        for data in scheduler_output.scheduled_new_reqs:
+            params = data.sampling_params
+            spec = (params.extra_args or {}).get(KEY) if params is not None else None
+            if spec is not None and data.req_id not in self._extract_seen:
+                asking[data.req_id] = (data, spec)
+        if self._extract_seen:
+            finished = getattr(scheduler_output, "finished_req_ids", None) or ()
+            self._extract_seen.difference_update(finished)
+        if asking and self._extract_writes:
+            self._extract_plan(scheduler_output, asking)
+        return result
+
+    def _extract_plan(self, scheduler_output: Any, asking: dict[str, tuple[Any, dict]]) -> None:
+        tokens = scheduler_output.num_scheduled_tokens
+        rows: list[int] = []
+        requests = []
+        start = 0
+        dtype = None
+        for rid in self.input_batch.req_ids:  # the forward's row order (see nnsight's Requests.scope)
+            count = tokens.get(rid)
+            if count is None:
+                continue
+            if rid in asking:
+                data, spec = asking[rid]
+                ids = list(data.prompt_token_ids or [])
+                if data.num_computed_tokens == 0 and count == len(ids):
+                    rows.extend(range(start, start + count))
+                    requests.append((rid, len(rows) - count, count, ids, spec))
+                    dtype = spec.get("dtype") or dtype
+                    self._extract_seen.add(rid)
+                    for location in spec["locations"]:
+                        self._extract_hook(location)
+                else:
+                    logger.warning("request %s: prompt not whole in one step (%d of %d tokens from %d); "
+                                   "not extracted", rid, count, len(ids), data.num_computed_tokens)
+            start += count
+        if requests:
+            device = self.device if hasattr(self, "device") else "cpu"
+            self._extract_step = StepCapture(torch.tensor(rows, dtype=torch.long, device=device), requests,
+                                             DTYPES.get(dtype) if dtype else None)
+
+    def _extract_hook(self, location: str) -> None:
+        if location in self._extract_hooks:
+            return
+        path, _, attribute = location.rpartition(".")
+        try:
+            module = self.get_model().get_submodule(path)
+        except AttributeError:
+            module = None
+        if module is None or type(module).__name__ == "PPMissingLayer" or attribute != "output":
+            self._extract_hooks[location] = None  # another stage's module (or nothing to read here)
+            return
+
+        def hook(_module: Any, _args: Any, output: Any) -> None:
+            step = self._extract_step
+            if step is None:
+                return
+            taken = capture(output, step.rows)
+            if step.dtype is not None and taken.dtype != step.dtype:
+                taken = taken.to(step.dtype)
+            if taken.is_cuda:
+                # On a side stream: the copy to the host overlaps the next layers' kernels.
+                if self._extract_stream is None:
+                    self._extract_stream = torch.cuda.Stream()
+                side = self._extract_stream
+                side.wait_stream(torch.cuda.current_stream())
+                host = torch.empty(taken.shape, dtype=taken.dtype, pin_memory=True)
+                with torch.cuda.stream(side):
+                    host.copy_(taken, non_blocking=True)
+                taken.record_stream(side)
+                taken = host
+            step.values[location] = taken
+
+        self._extract_hooks[location] = module.register_forward_hook(hook)
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_model(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            step, self._extract_step = self._extract_step, None
+            if step is not None and step.values:
+                if self._extract_stream is not None:
+                    step.event = torch.cuda.Event()
+                    step.event.record(self._extract_stream)
+                writer().queue.put(("capture", step, None))
