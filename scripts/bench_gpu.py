@@ -179,7 +179,8 @@ class Bench:
             return [w for w in wanted if w in ("generate", "extract")]
         if self.engine != "ray":
             wanted = [w for w in wanted if w not in ("nonblocking", "shards")]
-        return wanted
+        skipped = {pair.split(":", 1)[1] for pair in self.args.skip.split(",") if pair.startswith(self.engine + ":")}
+        return [w for w in wanted if w not in skipped]
 
     # workloads: each returns (tokens, saved bytes) after checking what came home
 
@@ -548,6 +549,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--extract-len", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--shard-prompts", type=int, default=64, help="shards: prompts per part file")
+    parser.add_argument("--skip", default="", help="ENGINE:WORKLOAD,... pairs not to run (e.g. ray:extract)")
     parser.add_argument("--shards-dir", default="", help="shards: where the files go (default: the temp dir)")
     parser.add_argument("--model-dir", default=None, help="reuse a checkpoint built earlier")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine's child process")
@@ -588,7 +590,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict] = {}
     forwarded = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in
                  ("workloads", "prompts", "tokens", "traces", "repeats", "extract_prompts", "extract_len",
-                  "shard_prompts", "shards_dir",
+                  "shard_prompts", "shards_dir", "skip",
                   "gpu_memory_utilization", "profile", "spy", "spy_workloads", "spy_dir", "spy_bin",
                   "spy_top")]
     with tempfile.TemporaryDirectory() as scratch:

@@ -192,3 +192,24 @@ def test_topology_puts_the_rank_on_a_gpu_bundle(rayvllm):
         # Inside a placement group Ray names the resource after the group (GPU_group_<id>).
         gpus = sum(v for k, v in (actor.required_resources or {}).items() if k == "GPU" or k.startswith("GPU_group_"))
         assert gpus >= 1, actor.required_resources
+
+
+def test_extraction_files_match_transformers(rayvllm, hf, tmp_path):
+    """Rank-written activations (issue 24) on CUDA: every prompt token of every layer, in place-safe.
+
+    The capture copies a layer's rows in its forward hook, before the next layer's fused norm
+    updates the layer's output in place; the copy to the host runs on a side stream.
+    """
+    from safetensors.torch import load_file
+
+    locations = [f"model.layers.{i}.output" for i in range(LAYERS)]
+    engine = rayvllm.vllm_entrypoint
+    ray.get(engine.extract_async(PROMPTS, "gpu-part", str(tmp_path), locations))
+    (written,) = [w for w in ray.get(engine.extract_commit("gpu-part")) if w is not None]
+    data = load_file(written["file"])
+    for index, prompt in enumerate(PROMPTS):
+        rows = data["prompt_index"] == index
+        want = hf.run(prompt)
+        assert data["token_ids"][rows].tolist() == hf.tokenizer.encode(prompt)
+        for i, location in enumerate(locations):
+            assert_close(data[location][rows], want["layers"][i], what=f"extracted layer {i}, prompt {index}")
