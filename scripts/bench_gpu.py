@@ -176,8 +176,8 @@ class Bench:
     def workloads(self) -> list[str]:
         wanted = [w for w in self.args.workloads.split(",") if w]
         if self.engine in PLAIN:
-            return [w for w in wanted if w in ("generate", "extract")]
-        if self.engine != "ray":
+            wanted = [w for w in wanted if w in ("generate", "extract")]
+        elif self.engine != "ray":
             wanted = [w for w in wanted if w not in ("nonblocking", "shards")]
         skipped = {pair.split(":", 1)[1] for pair in self.args.skip.split(",") if pair.startswith(self.engine + ":")}
         return [w for w in wanted if w not in skipped]
