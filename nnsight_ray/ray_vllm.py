@@ -244,9 +244,12 @@ class RemoteEngine:
                   for index in indices]
         return self.generate_async(list(prompts), params)
 
-    def extract_commit(self, part: str, timeout: float = 600.0) -> list[Any]:
-        """One ``ObjectRef`` per rank: the file each writing rank wrote for ``part`` (None elsewhere)."""
-        return [rank.extract_commit.remote(part, timeout) for rank in self.ranks()]
+    def extract_commit(self, part: str, timeout: float = 600.0, fsync: bool = False) -> list[Any]:
+        """One ``ObjectRef`` per rank: the file each writing rank wrote for ``part`` (None elsewhere).
+
+        ``fsync``: see ``_internal.extract.commit``.
+        """
+        return [rank.extract_commit.remote(part, timeout, fsync) for rank in self.ranks()]
 
     def extract_discard(self, part: str) -> None:
         for rank in self.ranks():

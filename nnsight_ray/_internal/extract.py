@@ -47,7 +47,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 KEY = "nnsight_ray_extract"
 # Parts not committed within this many seconds are dropped (the driver that owned them is gone).
 PART_TTL_S = float(os.environ.get("NNSIGHT_RAY_EXTRACT_TTL_S", "900"))
+WRITER_THREADS = int(os.environ.get("NNSIGHT_RAY_EXTRACT_WRITERS", "4"))
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -85,7 +86,8 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat1
                        torch.int32: "I32"}
 
 
-def write_safetensors(path: str, columns: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> None:
+def write_safetensors(path: str, columns: dict[str, list[torch.Tensor]], metadata: dict[str, str],
+                      fsync: bool = True) -> None:
     """A safetensors file whose tensor ``name`` is ``columns[name]`` concatenated along dim 0.
 
     Written piece by piece from the host buffers the rows were copied into:
@@ -117,7 +119,23 @@ def write_safetensors(path: str, columns: dict[str, list[torch.Tensor]], metadat
                     # bytes as they are (numpy has no bfloat16): a view, written without a copy
                     handle.write(memoryview(piece.view(torch.uint8).numpy() if piece.dim() else piece.numpy()))
         handle.flush()
-        os.fsync(handle.fileno())
+        if fsync:
+            os.fsync(handle.fileno())
+
+
+def safetensors_complete(path: str) -> bool:
+    """Whether a safetensors file is as long as its header says (a crash without fsync can cut one short)."""
+    import json
+    import struct
+
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return os.path.getsize(path) == 8 + length + end
+    except (OSError, ValueError, KeyError, struct.error):
+        return False
 
 
 @dataclass
@@ -147,24 +165,40 @@ class Writer:
         self.stage, self.stages, self.writes = stage, stages, writes
         self.queue: queue.Queue = queue.Queue()
         self.parts: dict[str, Part] = {}
+        # Files are written by a pool: one thread's write (and fsync) is a fraction of what a disk takes
+        # (measured on the GPU host: 1.1 GiB/s for one thread with fsync, 1.8 for four; 3.7 and 14 without).
+        self.pool = ThreadPoolExecutor(WRITER_THREADS, thread_name_prefix="nnsight-ray-extract-write")
         self.thread = threading.Thread(target=self._run, name="nnsight-ray-extract", daemon=True)
         self.thread.start()
 
-    # -- the writer thread ----------------------------------------------------
+    # -- the filing thread: captures and commits in the order they were made ----
 
     def _run(self) -> None:
         while True:
             kind, item, reply = self.queue.get()
             try:
-                result = self._file(item) if kind == "capture" else (
-                    self._commit(item) if kind == "commit" else self._discard(item))
+                if kind == "capture":
+                    self._file(item)
+                elif kind == "discard":
+                    self.parts.pop(item, None)
+                else:  # commit: the part is complete now (FIFO); its file is written by the pool
+                    name, fsync = item
+                    self.pool.submit(self._write_into, reply, name, self.parts.pop(name, None), fsync)
+                    continue
             except BaseException as error:  # noqa: BLE001 - goes back to the caller
                 logger.exception("extraction writer: %s failed", kind)
                 if reply is not None:
                     reply.set_exception(error)
                 continue
             if reply is not None:
-                reply.set_result(result)
+                reply.set_result(None)
+
+    def _write_into(self, reply: Future, name: str, part: "Part | None", fsync: bool) -> None:
+        try:
+            reply.set_result(self._commit(name, part, fsync))
+        except BaseException as error:  # noqa: BLE001 - goes back to the caller
+            logger.exception("extraction writer: writing %s failed", name)
+            reply.set_exception(error)
 
     def _file(self, capture: StepCapture) -> None:
         if capture.event is not None:
@@ -181,8 +215,7 @@ class Writer:
             logger.warning("extraction part %s was never committed; dropped", name)
             del self.parts[name]
 
-    def _commit(self, name: str) -> dict[str, Any] | None:
-        part = self.parts.pop(name, None)
+    def _commit(self, name: str, part: "Part | None", fsync: bool) -> dict[str, Any] | None:
         if not self.writes:
             return None
         if part is None:
@@ -203,13 +236,11 @@ class Writer:
         path = os.path.join(part.directory, f"{name}{suffix}.safetensors")
         os.makedirs(part.directory, exist_ok=True)
         temporary = f"{path}.tmp-{os.getpid()}"
-        write_safetensors(temporary, columns, {"format": FORMAT, "stage": str(self.stage), "stages": str(self.stages)})
+        write_safetensors(temporary, columns, {"format": FORMAT, "stage": str(self.stage), "stages": str(self.stages)},
+                          fsync=fsync)
         os.replace(temporary, path)
         return {"file": path, "prompts": {index: n for (index, _, _), n in zip(ordered, counts)},
                 "rows": sum(counts), "bytes": os.path.getsize(path), "stage": self.stage, "locations": locations}
-
-    def _discard(self, name: str) -> None:
-        self.parts.pop(name, None)
 
     # -- the callers ----------------------------------------------------------
 
@@ -239,9 +270,15 @@ def writer() -> Writer:
         return _writer
 
 
-def commit(part: str, timeout: float = 600.0) -> dict[str, Any] | None:
-    """Write ``part``'s file once every capture before this call is filed; None on a rank that does not write."""
-    return writer().submit("commit", part, timeout)
+def commit(part: str, timeout: float = 600.0, fsync: bool = False) -> dict[str, Any] | None:
+    """Write ``part``'s file once every capture before this call is filed; None on a rank that does not write.
+
+    ``fsync``: flush the file to the disk before it is renamed into place. Without it a
+    killed process still leaves only whole files (the rename is atomic, the page cache
+    survives the process); with it they also survive the machine's crash, at a third of
+    the write speed measured on the GPU host.
+    """
+    return writer().submit("commit", (part, fsync), timeout)
 
 
 def discard(part: str) -> None:

@@ -97,11 +97,11 @@ class NNsightRankProc(RayWorkerProc):
 
         return take_serialized(request_ids)
 
-    def extract_commit(self, part: str, timeout: float = 600.0) -> dict[str, Any] | None:
+    def extract_commit(self, part: str, timeout: float = 600.0, fsync: bool = False) -> dict[str, Any] | None:
         """Write extraction part ``part`` once every capture before this call is filed (``extract.commit``)."""
         from .extract import commit
 
-        return commit(part, timeout)
+        return commit(part, timeout, fsync)
 
     def extract_discard(self, part: str) -> None:
         """Drop what was captured for ``part`` (its requests failed; the driver resubmits them)."""

@@ -10,7 +10,7 @@ The schema (agreed with ``cluster_configs/``; every section but ``model``,
     saves:        [{location, tokens}]        # or
     intervention: path/to/file.py             # defines intervene(model, tracer) -> dict
     sampling:     {max_tokens, temperature}
-    output:       {dir, shard_size, format, dtype}   # format: parquet | activations
+    output:       {dir, shard_size, format, dtype, fsync}   # format: parquet | activations
     runner:       {max_in_flight, prompts_per_trace, shard_retries, engine_restarts,
                    request_timeout_s, progress_interval_s}   # optional tuning
 
@@ -181,6 +181,10 @@ class OutputConfig(_Section):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="activations only: the stored dtype; auto keeps the dtype the model computed in."
     )
+    fsync: bool = Field(
+        False, description="activations only: flush each file to disk before it counts (survives a machine crash; "
+        "a killed run keeps whole files either way, and resume redoes any file cut short)."
+    )
 
 
 class RunnerConfig(_Section):
@@ -247,8 +251,9 @@ class BatchConfig(_Section):
                 raise ValueError(f"runner.max_in_flight ({self.runner.max_in_flight}) is below output.shard_size "
                                  f"({self.output.shard_size}): with output.format=activations a shard's prompts "
                                  "are in flight together")
-        elif self.output.dtype != "auto":
-            raise ValueError("output.dtype applies to output.format=activations (parquet stores float32)")
+        elif self.output.dtype != "auto" or self.output.fsync:
+            raise ValueError("output.dtype and output.fsync apply to output.format=activations "
+                             "(parquet stores float32 and always syncs)")
         return self
 
     @property

@@ -249,7 +249,7 @@ class BatchRunner:
             if isinstance(outcome, BaseException):
                 entry.replica.model.vllm_entrypoint.extract_discard(entry.part)
                 return outcome
-            commits = entry.replica.model.vllm_entrypoint.extract_commit(entry.part)
+            commits = entry.replica.model.vllm_entrypoint.extract_commit(entry.part, fsync=self.config.output.fsync)
             return InFlight(entry.chunk, entry.replica, entry.submitted, part=entry.part, commits=commits)
         if isinstance(outcome, BaseException):
             return outcome

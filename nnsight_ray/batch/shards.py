@@ -184,7 +184,9 @@ class RunDir:
         return done
 
     def _finished_activations(self, plans: Iterable[ShardPlan]) -> dict[int, ShardRecord]:
-        """Activation shards: a record file (written last, after the ranks' files) whose files all exist."""
+        """Activation shards: a record file (written last, after the ranks' files) whose files are all whole."""
+        from .._internal.extract import safetensors_complete
+
         done = {}
         for plan in plans:
             try:
@@ -192,7 +194,7 @@ class RunDir:
             except (OSError, ValueError, TypeError):
                 continue
             if (record.digest == self.digest and record.ids == plan.ids
-                    and all((self.path / name).exists() for name in record.files)):
+                    and all(safetensors_complete(str(self.path / name)) for name in record.files)):
                 done[plan.index] = record
         return done
 

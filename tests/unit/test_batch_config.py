@@ -141,7 +141,7 @@ def test_activations_defaults_keep_a_gpu_engine_busy(tmp_path):
     assert validate(data).max_in_flight() == 100  # as set
     plain = validate(minimal(tmp_path))
     assert not plain.activations and plain.max_in_flight() == 32
-    with pytest.raises(BatchConfigError, match="output.dtype applies to output.format=activations"):
+    with pytest.raises(BatchConfigError, match="output.dtype and output.fsync apply to output.format=activations"):
         validate({**minimal(tmp_path), "output": {"dir": str(tmp_path / "o"), "dtype": "float16"}})
 
 
@@ -547,3 +547,10 @@ def test_activation_files_are_safetensors_written_from_pieces(tmp_path):
     write_safetensors(str(path), {"h": [a[:2], a[2:2], a[2:]], "ids": [ids]}, {"format": "f"})
     got = load_file(str(path))
     assert torch.equal(got["h"], a) and got["h"].dtype == torch.bfloat16 and torch.equal(got["ids"], ids)
+
+    from nnsight_ray._internal.extract import safetensors_complete
+
+    assert safetensors_complete(str(path))
+    with open(path, "r+b") as handle:  # cut short, as a crash without fsync can leave it
+        handle.truncate(path.stat().st_size - 3)
+    assert not safetensors_complete(str(path)) and not safetensors_complete(str(tmp_path / "missing"))
