@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .config import BatchConfig
-from .errors import BatchRunError
+from .errors import BatchConfigError, BatchRunError
 from .preflight import Prepared, prepare
 from .progress import Progress, format_duration
 from .replicas import InFlight, Replica, classify, error_info, part_name, start_replicas, submit_extract, submit_trace
@@ -144,6 +144,7 @@ class BatchRunner:
                     self.replicas.append(Replica(len(self.replicas), RayVLLM.connect(name), owned=False))
                 if not self.replicas:
                     self.replicas = start_replicas(range(self.config.engine.replicas), prepared, self.tag)
+                self._check_engines()
                 self.engine_start_s = time.monotonic() - started
                 self._write_manifest(force=True)
                 self._loop(todo, skipped_prompts)
@@ -168,6 +169,16 @@ class BatchRunner:
         )
         self._write_manifest(force=True, result=result)
         return result
+
+    def _check_engines(self) -> None:
+        """Activation files are written by RayVLLM's ranks: refuse any other engine up front."""
+        if not self.config.activations:
+            return
+        for replica in self.replicas:
+            if not hasattr(getattr(replica.model, "vllm_entrypoint", None), "extract_async"):
+                raise BatchConfigError(
+                    f"output.format=activations needs RayVLLM engines (their ranks write the files); replica "
+                    f"{replica.name} is a {type(replica.model).__name__}. Use output.format=parquet with it.")
 
     def _loop(self, todo: list[ShardPlan], skipped_prompts: int) -> None:
         runner = self.config.runner

@@ -372,16 +372,16 @@ def test_resume_after_a_killed_run_has_no_duplicates_and_no_gaps(ray_cluster, ra
 
 def test_activation_resume_after_a_killed_run_has_every_token_row_once(ray_cluster, ray_tp1, local_llama,
                                                                         model_dir, tmp_path):
-    prompts = [f"resume {i} " + "xyz"[: i % 3] for i in range(60)]
-    # One shard in flight at a time, 24 decode steps each: slow enough to kill midway.
-    config = make_config(tmp_path, model_dir, prompts, saves=ACTIVATIONS[:1], sampling={"max_tokens": 24},
+    prompts = [f"resume {i} " + "xyz"[: i % 3] for i in range(48)]
+    # One shard in flight at a time, 16 decode steps each: slow enough to kill midway.
+    config = make_config(tmp_path, model_dir, prompts, saves=ACTIVATIONS[:1], sampling={"max_tokens": 16},
                          output={"dir": str(tmp_path / "out"), "shard_size": 6, "format": "activations"},
                          runner={"max_in_flight": 6, "progress_interval_s": 1})
     out = tmp_path / "out"
     command, env = kill_midway(config, ray_cluster, tmp_path, "shard-*.json")
     kept = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.safetensors")
             if (out / p.name.replace(".safetensors", ".json")).exists()}
-    assert 2 <= len(kept) < 10, f"kill the run midway: {len(kept)} of 10 shards were recorded"
+    assert 2 <= len(kept) < 8, f"kill the run midway: {len(kept)} of 8 shards were recorded"
 
     second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
@@ -396,7 +396,7 @@ def test_activation_resume_after_a_killed_run_has_every_token_row_once(ray_clust
     pairs = list(zip(data["prompt_index"].tolist(), data["position"].tolist()))
     want = [(i, j) for i, prompt in enumerate(prompts) for j in range(len(local_llama.tokenizer(prompt)["input_ids"]))]
     assert pairs == want, "every token row exactly once, in prompt order"
-    for index in (0, 31, 59):
+    for index in (0, 31, 47):
         rows = data["prompt_index"] == index
         assert_close(torch.from_numpy(data["model.layers.3.output"][rows]),
                      reference(local_llama, prompts[index])["model.layers.3.output"])

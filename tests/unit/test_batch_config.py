@@ -554,3 +554,18 @@ def test_activation_files_are_safetensors_written_from_pieces(tmp_path):
     with open(path, "r+b") as handle:  # cut short, as a crash without fsync can leave it
         handle.truncate(path.stat().st_size - 3)
     assert not safetensors_complete(str(path)) and not safetensors_complete(str(tmp_path / "missing"))
+
+
+def test_activations_refuse_an_engine_whose_ranks_cannot_write(tmp_path):
+    """A LocalVLLM (no rank actors) handed to an activations run is refused before any prompt is sent."""
+    from types import SimpleNamespace
+
+    from nnsight_ray.batch.runner import BatchRunner
+
+    data = {**minimal(tmp_path), "saves": ACTIVATION_SAVES}
+    data["output"] = {**data["output"], "format": "activations"}
+    local = SimpleNamespace(name="local", vllm_entrypoint=SimpleNamespace(generate=None))
+    runner = BatchRunner(prepare(validate(data), resolve=False), engines=[local], stream=io.StringIO())
+    with pytest.raises(BatchConfigError, match="needs RayVLLM engines"):
+        runner.run()
+    assert runner.prompts_run == 0
