@@ -69,16 +69,12 @@ def request_args(part: str, index: int, directory: str, locations: list[str], dt
 
 
 def capture(output: Any, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` of a module output as one tensor (a copy): a same-shape pair summed (vLLM's deferred
-    residual add: the residual stream), else the first item. The batch runner's
-    ``interventions.to_residual`` reads the same thing through nnsight."""
-    if isinstance(output, (tuple, list)):
-        first = output[0]
-        if (len(output) == 2 and isinstance(first, torch.Tensor) and isinstance(output[1], torch.Tensor)
-                and output[1].shape == first.shape):
-            return first.index_select(0, rows) + output[1].index_select(0, rows)
-        output = first
-    return output.index_select(0, rows)
+    """``rows`` of a module output's residual stream (``interventions.residual_parts``: what the
+    batch runner's Parquet saves read), as a copy; each part is narrowed before the sum."""
+    from ..batch.interventions import residual_parts
+
+    parts = [part.index_select(0, rows) for part in residual_parts(output)]
+    return parts[0] + parts[1] if len(parts) == 2 else parts[0]
 
 
 FORMAT = "nnsight_ray.activations/1"

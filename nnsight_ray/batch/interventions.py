@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
     from .config import SaveSpec
 
-__all__ = ["SaveRead", "load_intervention", "read_saves", "resolve_saves", "run_intervention", "to_residual"]
+__all__ = ["SaveRead", "load_intervention", "read_saves", "residual_parts", "resolve_saves", "run_intervention",
+           "to_residual"]
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,8 @@ class SaveRead:
 # --------------------------------------------------------------------------- in the ranks
 
 
-def to_residual(value: Any) -> Any:
-    """A layer output as one tensor: a same-shape pair summed (residual stream), else the first item."""
+def residual_parts(value: Any) -> tuple:
+    """The tensors whose sum is a layer output's residual stream: a same-shape pair, else the first item."""
     import torch
 
     if isinstance(value, (tuple, list)):
@@ -65,9 +66,15 @@ def to_residual(value: Any) -> Any:
             and all(isinstance(v, torch.Tensor) for v in value)
             and value[0].shape == value[1].shape
         ):
-            return value[0] + value[1]
-        return value[0]
-    return value
+            return (value[0], value[1])
+        return (value[0],)
+    return (value,)
+
+
+def to_residual(value: Any) -> Any:
+    """A layer output as one tensor: a same-shape pair summed (residual stream), else the first item."""
+    parts = residual_parts(value)
+    return parts[0] + parts[1] if len(parts) == 2 else parts[0]
 
 
 def read_saves(model: Any, tracer: Any, reads: Sequence[SaveRead]) -> dict[str, Any]:
