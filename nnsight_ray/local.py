@@ -24,7 +24,7 @@ from typing import Any
 
 from nnsight.modeling.vllm import VLLM
 
-from ._internal import platform
+from ._internal import graphs, platform
 from .errors import RequestError
 
 __all__ = ["LocalVLLM", "intervention_error", "raise_intervention"]
@@ -132,11 +132,25 @@ class LocalVLLM(VLLM):
             os.environ.setdefault(key, value)
         kwargs = configure_engine_kwargs(platform.engine_defaults(kwargs))
         self._engine_kwargs = kwargs
+        # enforce_eager=False without taps: graphs on the steps no block needs
+        # (``_internal/graphs.py``); nnsight's VLLM would refuse it, so it is taken here.
+        self._graphs = bool(self.taps) or kwargs.pop("enforce_eager", None) is False
+        if self._graphs and not self.taps:
+            os.environ.update(graphs.BREAKABLE_ENV)  # nnsight sets it for taps; the engine processes inherit it
         try:
             return super()._load(repo_id, **kwargs)
         except BaseException:
             release_placement_group(kwargs)
             raise
+
+    def _load_sync(self, repo_id: str, **kwargs: Any) -> Any:
+        """nnsight's sync engine (``vllm.LLM``), with graphs when taps or ``enforce_eager=False`` ask for them."""
+        from nnsight.modeling.vllm.engines.engine import NNsightLLMEngine
+        from vllm import LLM
+
+        llm = LLM(repo_id, worker_cls=self._WORKER_CLS, enforce_eager=not self._graphs, **kwargs)
+        llm.llm_engine.__class__ = NNsightLLMEngine  # as nnsight's _load_sync: step() collects saves
+        return llm
 
     def _load_async(self, repo_id: str, **kwargs: Any) -> Any:
         """nnsight's async engine, resolved with ``vllm.LLM``'s defaults (``_internal/parity.py``).
@@ -151,7 +165,7 @@ class LocalVLLM(VLLM):
 
         from ._internal.parity import OFFLINE, entrypoint_kwargs
 
-        kwargs["enforce_eager"] = not self.taps  # nnsight's rule (its _load popped the caller's)
+        kwargs["enforce_eager"] = not self._graphs  # see _load
         kwargs, _ = entrypoint_kwargs(kwargs, OFFLINE)
         return AsyncLLM.from_engine_args(AsyncEngineArgs(model=repo_id, worker_cls=self._WORKER_CLS, **kwargs),
                                          usage_context=UsageContext.LLM_CLASS)
@@ -168,6 +182,12 @@ class LocalVLLM(VLLM):
             return super()._attach_mediators(params, **kwargs)
         with envoy_refs.by_reference(self):
             return super()._attach_mediators(params, **kwargs)
+
+    def step_modes(self) -> list[dict[str, int]]:
+        """How each rank's steps ran, in rank order: ``graph`` (a full CUDA graph), ``piecewise`` (breakable
+        graphs serving taps), ``eager_for_block`` (eager because a block waited on a location no graph
+        serves), ``eager`` (vLLM's own choice: an eager engine, or a batch larger than any graph)."""
+        return self.vllm_entrypoint.collective_rpc("nnsight_ray_step_modes")
 
     def topology(self) -> list[dict[str, Any]]:
         """Each rank's pp rank, tp rank, pid, node id and actor name, in rank order (as ``RayVLLM.topology``).

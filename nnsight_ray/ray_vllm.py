@@ -410,6 +410,8 @@ class RayVLLM(LocalVLLM):
         if self._owns_distributed:
             self._cleanup_distributed()
             self._owns_distributed = False
+        if self.taps:
+            self._resolve_taps(meta_model)  # a pattern naming no module fails here; the ranks resolve their own
         self.vllm_entrypoint = RemoteEngine(deploy.wait_started(self._deployment))
         return meta_model
 

@@ -26,6 +26,13 @@ Equal footing:
   trace binds its saves (a bare ``x.save()`` binds no name and nothing would
   travel), the extraction checks every layer's rows.
 
+Graph modes of our engines (issue 23): ``local-graphs``/``ray-graphs``
+(``enforce_eager=False``: CUDA graphs on every step no block needs, eager on
+the others), ``local-taps``/``ray-taps`` (``taps`` at the bench's layers:
+steps whose blocks wait only on taps replay breakable graphs; raw saves, no
+clone). Each workload row of an nnsight_ray engine prints how its timed steps
+ran (``step_modes()``: ``graph``, ``piecewise``, ``eager_for_block``, ``eager``).
+
 Engines: ``vllm-defaults`` (plain ``vllm.LLM`` as vLLM configures it: CUDA
 graphs on a GPU), ``vllm-eager`` (plain, ``enforce_eager=True``), nnsight's own
 ``VLLM`` eager (``nnsight-eager``) and with ``taps`` (``nnsight-taps``: CUDA
@@ -76,6 +83,8 @@ os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 ENGINES = ("vllm-defaults", "vllm-eager", "nnsight-eager", "nnsight-taps", "local", "ray")  # + local-profile
+# Graph modes (issue 23): enforce_eager=False (graphs on every step no block needs) and taps (the bench's layers).
+GRAPH_ENGINES = ("local-graphs", "ray-graphs", "local-taps", "ray-taps")
 PLAIN = ("vllm-defaults", "vllm-eager")
 WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "extract", "shards")
 
@@ -151,25 +160,43 @@ class Bench:
             taps = ([f"model.layers.{i}.output" for i in sorted(set(self.layers) | {self.layer})]
                     if self.engine == "nnsight-taps" else None)
             self.model = VLLM(path, dispatch=True, **({"taps": taps} if taps else {}), **kwargs)
-        elif self.engine in ("local", "local-profile"):
+        elif self.engine.startswith("local"):
             from nnsight_ray import LocalVLLM
 
-            self.model = LocalVLLM(path, dispatch=True, **kwargs)
-        elif self.engine == "ray":
+            self.model = LocalVLLM(path, dispatch=True, **kwargs, **self.graph_kwargs())
+        elif self.engine.startswith("ray"):
             import ray
 
             from nnsight_ray import RayVLLM
 
             ray.init(namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
             began = time.perf_counter()  # the engine's start, not Ray's
-            self.model = RayVLLM(path, name=f"bench-{os.getpid()}", **kwargs)
+            self.model = RayVLLM(path, name=f"bench-{os.getpid()}", **kwargs, **self.graph_kwargs())
             print(f"[ray] {self.model.resolved_config()['log']}", flush=True)
         else:
-            raise SystemExit(f"unknown engine {self.engine!r}: one of {ENGINES}")
+            raise SystemExit(f"unknown engine {self.engine!r}: one of {ENGINES + GRAPH_ENGINES}")
         return time.perf_counter() - began
 
+    def graph_kwargs(self) -> dict:
+        """An nnsight_ray engine's mode: eager (``local``, ``ray``), ``-graphs``, ``-taps`` (the bench's layers)."""
+        if self.engine.endswith("-graphs"):
+            return {"enforce_eager": False}
+        if self.engine.endswith("-taps"):
+            return {"taps": [f"model.layers.{i}.output" for i in sorted(set(self.layers) | {self.layer})]}
+        return {}
+
+    def step_modes(self) -> dict[str, int]:
+        """How the engine's steps ran so far, summed over ranks (nnsight_ray engines; ``{}`` otherwise)."""
+        if self.llm is not None or not hasattr(self.model, "step_modes"):
+            return {}
+        total: dict[str, int] = {}
+        for rank in self.model.step_modes()[:1]:  # one rank's steps (every rank runs every step)
+            for key, value in rank.items():
+                total[key] = total.get(key, 0) + value
+        return total
+
     def stop(self) -> None:
-        if self.engine == "ray" and self.model is not None:
+        if self.engine.startswith("ray") and self.model is not None:
             self.before_shards()
             self.model.shutdown()
 
@@ -177,7 +204,7 @@ class Bench:
         wanted = [w for w in self.args.workloads.split(",") if w]
         if self.engine in PLAIN:
             wanted = [w for w in wanted if w in ("generate", "extract")]
-        elif self.engine != "ray":
+        elif not self.engine.startswith("ray"):
             wanted = [w for w in wanted if w not in ("nonblocking", "shards")]
         skipped = {pair.split(":", 1)[1] for pair in self.args.skip.split(",") if pair.startswith(self.engine + ":")}
         return [w for w in wanted if w not in skipped]
@@ -364,6 +391,7 @@ def child(args: argparse.Namespace) -> None:
             before = getattr(bench, "before_" + workload.replace("-", "_"), lambda: None)
             before()
             run()  # warm-up (and the first check)
+            modes_before = bench.step_modes()
             times, amounts = [], None
             for _ in range(args.repeats):
                 before()
@@ -372,11 +400,13 @@ def child(args: argparse.Namespace) -> None:
                 times.append(time.perf_counter() - began)
             median = statistics.median(times)
             tokens, saved = amounts
+            modes = {k: v - modes_before.get(k, 0) for k, v in bench.step_modes().items()}
             result["workloads"][workload] = {"seconds": times, "median_s": median, "tokens": tokens,
                                              "tokens_per_s": tokens / median, "saved_bytes": saved,
-                                             "saved_mb_per_s": saved / median / 1e6}
-            print(f"[{args.child}] {workload}: {tokens / median:,.0f} tok/s (runs {', '.join(f'{t:.2f}' for t in times)} s)",
-                  flush=True)
+                                             "saved_mb_per_s": saved / median / 1e6,
+                                             "step_modes": {k: v for k, v in modes.items() if v}}
+            print(f"[{args.child}] {workload}: {tokens / median:,.0f} tok/s (runs {', '.join(f'{t:.2f}' for t in times)} s)"
+                  f"{' steps ' + str(result['workloads'][workload]['step_modes']) if modes else ''}", flush=True)
         except Exception as error:
             result["errors"][workload] = f"{type(error).__name__}: {error}"
             print(f"[{args.child}] {workload} FAILED: {type(error).__name__}: {error}", flush=True)
@@ -517,13 +547,16 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
                                                ("vs_eager", "vllm-eager", floor_workload),
                                                ("vs_local", "local", workload)):
                 base = rate(other, other_workload)
-                ratios[key] = got["tokens_per_s"] / base if base and (key != "vs_local" or engine == "ray") else None
+                if key == "vs_local":  # RayVLLM against LocalVLLM in the same mode
+                    base = rate(engine.replace("ray", "local", 1), workload) if engine.startswith("ray") else None
+                ratios[key] = got["tokens_per_s"] / base if base else None
             row = {"engine": engine, "workload": workload, **got, **ratios}
             rows.append(row)
             fmt = lambda v: f"{v:>8.2f}x" if v is not None else f"{'':>9}"  # noqa: E731
             print(f"{engine:<14} {workload:<12} {got['tokens_per_s']:>9,.0f} {fmt(ratios['vs_defaults']):>11} "
                   f"{fmt(ratios['vs_eager'])} {fmt(ratios['vs_local'])} {got['saved_mb_per_s']:>8.1f}  "
-                  f"{', '.join(f'{t:.2f}' for t in got['seconds'])}")
+                  f"{', '.join(f'{t:.2f}' for t in got['seconds'])}"
+                  f"{'  steps ' + json.dumps(got['step_modes']) if got.get('step_modes') else ''}")
         for workload, error in result.get("errors", {}).items():
             print(f"{engine:<14} {workload:<12} FAILED: {error}")
     for engine, result in results.items():

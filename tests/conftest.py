@@ -84,7 +84,7 @@ def session_engines(request, model_dir):
     """The session's RayVLLM deployments, started together (their starts overlap: ~1.3x one, not 2x).
 
     ``tp1``: one rank (built with ``enforce_eager=True``); ``tp2``: TP=2 with the two ranks on two different
-    raylets (STRICT_SPREAD).
+    raylets (STRICT_SPREAD), built with ``taps``.
     """
     from nnsight_ray import RayVLLM
 
@@ -92,7 +92,9 @@ def session_engines(request, model_dir):
     models = RayVLLM.start_many(model_dir, {
         # enforce_eager=True: a keyword nnsight's VLLM takes (and pops), once refused here (issue 14.2).
         "tp1": {"enforce_eager": True},
-        "tp2": {"tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD"},
+        # taps (issue 23): a graph engine; on the CPU build every step runs eagerly and serves every location,
+        # so every test on tp2 (layouts, batch, remote) also checks that untapped locations are served.
+        "tp2": {"tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD", "taps": ["model.layers.*.output"]},
     }, **ENGINE_KWARGS)
     yield models
     for model in models.values():

@@ -30,7 +30,7 @@ from typing import Any
 import ray
 
 from ..errors import EngineDeadError, RequestError
-from . import metrics
+from . import graphs, metrics
 from .engine import Report
 from .liveness import (ENGINE, MERGE, ActorRecord, Cluster, DeathWatch, DeploymentRecords, EngineWatch, actor_id,
                        every, rank_records)
@@ -267,6 +267,8 @@ class EngineActor:
         began = time.monotonic()
         probed = await probe if probe is not None else None
         kwargs, changed = engine_args(spec)
+        # Read by vLLM in this process and inherited by the engine core and the ranks (vLLM forwards it).
+        os.environ.update(graphs.engine_env(kwargs))
         # The rank placement group is deploy's (launch reserved it): if this
         # fails, wait_started releases it, and nothing here does.
         llm = AsyncLLM.from_engine_args(parity.build_engine_args(kwargs, probed),
@@ -389,25 +391,6 @@ def probe_rank_platform(plan: PlacementPlan) -> Any:
     return task.remote(plan.world_size)
 
 
-def eager_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``engine_kwargs`` without ``enforce_eager``, which every nnsight_ray engine sets itself.
-
-    As nnsight's ``VLLM`` does for an engine with no taps: every location must
-    be served, so the engine runs eagerly. ``enforce_eager=True`` is accepted
-    (it is what happens); ``False`` is refused with the reason, instead of
-    vLLM's "got multiple values for keyword argument 'enforce_eager'".
-    """
-    engine_kwargs = dict(engine_kwargs)
-    asked = engine_kwargs.pop("enforce_eager", None)
-    if asked is not None and not asked:
-        raise RequestError(
-            "enforce_eager=False: nnsight_ray engines run eagerly, as nnsight's VLLM does without taps, "
-            "so every module's hooks fire on every step (a replayed CUDA graph runs no Python). "
-            "Drop enforce_eager."
-        )
-    return engine_kwargs
-
-
 def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: RankPlacement,
            num_merge_actors: int = 1, detached: bool = False,
            engine_actor_options: dict[str, Any] | None = None, usage_context: str = "LLM_CLASS") -> Deployment:
@@ -426,7 +409,7 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
 
     usage_context = checked_context(usage_context)
     placement = placement.model_copy(update={"engine_name": name})
-    engine_kwargs = eager_engine_kwargs(engine_kwargs)
+    graphs.engine_mode(engine_kwargs)  # refuses a contradictory enforce_eager / taps here, in the caller
     lifetime = "detached" if detached else None
     merge_names = tuple(f"{name}.merge{i}" for i in range(num_merge_actors))
     for actor_name in [f"{name}.engine", *merge_names]:

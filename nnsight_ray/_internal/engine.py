@@ -107,15 +107,17 @@ def engine_args(spec: Any) -> tuple[dict[str, Any], list[str]]:
 
     vLLM's own entry point's argument defaults (``parity.entrypoint_kwargs``:
     ``vllm.LLM``'s, or the OpenAI server's for Serve) and nnsight's settings
-    (chunked prefill and prefix caching off, eager), never over the user's; the
+    (chunked prefill and prefix caching off, eager unless ``enforce_eager=False``
+    or ``taps``: ``graphs.engine_mode``), never over the user's; the
     platform's defaults; the placement plan and nnsight_ray's executor riding
     vLLM's config; nnsight_ray's worker.
     """
-    from . import parity, platform
+    from . import graphs, parity, platform
     from .ray_executor import engine_kwargs_with
 
-    kwargs = platform.engine_defaults(spec.engine_kwargs)
+    kwargs, graph_changes = graphs.engine_mode(platform.engine_defaults(spec.engine_kwargs))
     kwargs, changed = parity.entrypoint_kwargs(kwargs, parity.usage_context(spec.usage_context))
+    changed += graph_changes
     kwargs = engine_kwargs_with(spec.placement, kwargs)
     return {"model": spec.model, "worker_cls": platform.worker_cls(), **kwargs}, changed
 

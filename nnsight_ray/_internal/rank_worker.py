@@ -162,6 +162,11 @@ class RankRPCMixin:
     def nnsight_ray_stash_size(self) -> int:
         return stash_size()
 
+    def nnsight_ray_step_modes(self) -> dict[str, int]:
+        """How this rank's steps ran: ``graph``, ``piecewise``, ``eager_for_block``, ``eager`` (``graphs.StepModes``)."""
+        modes = getattr(self.model_runner, "nnsight_ray_step_modes", None)
+        return dict(modes.counts) if modes is not None else {}
+
     def nnsight_ray_block_names(self) -> dict[str, int]:
         """How many source-cache entries of received blocks this rank holds (a leak gauge; see ``block_names``)."""
         from .block_names import held

@@ -10,6 +10,8 @@ nnsight's runner, around vLLM's forward.
 - ``SnapshotRunnerMixin``: saved values are snapshots, not views a later kernel overwrites (``snapshot``).
 - ``EnvoyRefsRunnerMixin``: requests name the rank's envoys instead of carrying a tree (``envoy_refs``).
 - ``ExtractRunnerMixin``: requests that ask for extraction have their rows written by the rank (``extract``).
+- ``GraphStepsRunnerMixin``: on a graph engine, CUDA graphs on every step no block needs (``graphs``);
+  last, so the taps it resolves are in place before the others look at the interleaver.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from __future__ import annotations
 from .block_names import BlockNamesRunnerMixin
 from .envoy_refs import EnvoyRefsRunnerMixin
 from .extract import ExtractRunnerMixin
+from .graphs import GraphStepsRunnerMixin
 from .pipeline import StageRunnerMixin
 from .snapshot import SnapshotRunnerMixin
 
 RUNNER_MIXINS = (StageRunnerMixin, BlockNamesRunnerMixin, SnapshotRunnerMixin, EnvoyRefsRunnerMixin,
-                 ExtractRunnerMixin)
+                 ExtractRunnerMixin, GraphStepsRunnerMixin)

@@ -36,6 +36,7 @@ import os
 from typing import Any
 
 import torch
+from nnsight.modeling.vllm.interleaver import _copy_into  # nnsight's write-back of a tap's edit
 from nnsight.util import apply
 
 from .classes import extend
@@ -58,10 +59,35 @@ class SnapshotInterleaver:
     tree and every module controller keep pointing at the same object.
     """
 
+    _replaying = False
+
+    def _served(self, provider: str) -> bool:
+        return bool(self.observers.get(provider)) or (provider in self.parked and bool(self._ready(provider)))
+
     def handle(self, provider: str, value: Any) -> Any:
-        served = bool(self.observers.get(provider)) or (provider in self.parked and bool(self._ready(provider)))
+        served = not self._replaying and self._served(provider)
         value = super().handle(provider, value)  # type: ignore[misc]
         return _copy(value) if served else value
+
+    def replay(self, location: str, live: Any) -> None:
+        """A tap served from a replayed CUDA graph (``VLLMInterleaver.replay``): the block gets the copy.
+
+        The graph reads and rewrites ``live`` in place every step, so here the
+        roles turn round: the blocks are handed a copy, and what they leave
+        (their in-place edits, or a swap) is copied back into ``live`` for the
+        graph to go on with. Two device copies per served tap per step; a tap
+        nobody reads this step costs what it costs nnsight.
+        """
+        if not self.interleaving or not self._served(location):  # type: ignore[attr-defined]
+            return super().replay(location, live)  # type: ignore[misc]
+        total = self.batcher.total  # type: ignore[attr-defined]
+        live = apply(live, lambda t: t[:total] if t.dim() and t.shape[0] > total else t, torch.Tensor)
+        self._replaying = True
+        try:
+            served = self.handle(location, _copy(live))
+        finally:
+            self._replaying = False
+        _copy_into(live, served)
 
     @staticmethod
     def install(interleaver: Any) -> None:

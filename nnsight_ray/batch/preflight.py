@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Prepared", "prepare"]
 
 # RayVLLM options that may ride engine_kwargs besides vLLM's own arguments.
-_RAYVLLM_OPTIONS = {"placement_timeout_s", "cpu_binding", "num_merge_actors"}
+_RAYVLLM_OPTIONS = {"placement_timeout_s", "cpu_binding", "num_merge_actors", "taps"}
 
 
 @dataclass
@@ -129,6 +129,13 @@ def _check_engine_kwargs(kwargs: dict[str, Any]) -> None:
             f"engine.engine_kwargs: unknown vLLM engine argument(s) {described}; "
             "see `vllm serve --help` (argument names with '_' for '-')"
         )
+    from ..errors import RequestError
+    from .._internal.graphs import engine_mode
+
+    try:
+        engine_mode(kwargs)  # enforce_eager / taps (CUDA graphs): contradictions are refused here
+    except RequestError as error:
+        raise BatchConfigError(f"engine.engine_kwargs: {error}") from None
 
 
 def _meta_module(model_path: str, engine_kwargs: dict[str, Any]) -> Any:

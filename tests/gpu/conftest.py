@@ -117,12 +117,16 @@ class HF:
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.layers = self.model.model.layers
 
-    @torch.no_grad()
     def run(self, prompt: str, edit=None) -> dict:
         """Every layer's residual stream, every MLP's input and output, the last logits.
 
-        ``edit(layer_index, mlp_output) -> new mlp_output or None`` changes the forward.
+        ``edit(layer_index, mlp_output, record) -> new mlp_output or None`` changes the forward.
         """
+        return self.run_ids(self.tokenizer.encode(prompt), edit)
+
+    @torch.no_grad()
+    def run_ids(self, token_ids: list, edit=None) -> dict:
+        """``run`` on token ids (a prompt and the tokens an engine generated after it): every row is a position."""
         record: dict = {"layers": [], "mlp_in": [], "mlp_out": []}
         hooks = []
         for i, layer in enumerate(self.layers):
@@ -138,7 +142,7 @@ class HF:
 
             hooks.append(layer.mlp.register_forward_hook(mlp_hook))
         try:
-            ids = torch.tensor([self.tokenizer.encode(prompt)])
+            ids = torch.tensor([list(token_ids)])
             record["logits"] = self.model(ids).logits[0, -1].clone()
         finally:
             for hook in hooks:

@@ -467,6 +467,8 @@ def no_engines(monkeypatch):
         ({"prompts": {"path": "/nonexistent/prompts.jsonl"}}, "prompts.path '/nonexistent/prompts.jsonl': no such file"),
         ({"engine": {"engine_kwargs": {"max_model_lenght": 256}}},
          "unknown vLLM engine argument(s) 'max_model_lenght' (did you mean 'max_model_len'?)"),
+        ({"engine": {"engine_kwargs": {"taps": ["model.layers.*.output"], "enforce_eager": True}}},
+         "engine.engine_kwargs: enforce_eager=True contradicts taps"),
         ({"model": {"path": "/nonexistent/model"}}, "model.path '/nonexistent/model': no such folder"),
     ],
 )

@@ -7,8 +7,8 @@ within 1e-3 relative, the same greedy tokens.
 Layouts, one at a time (a parametrized module fixture: pytest groups the tests
 by layout and shuts each engine down before the next starts):
 
-- ``tp2``: the session's TP=2 RayVLLM, ranks on two raylets (STRICT_SPREAD);
-- ``pp2``: RayVLLM, PP=2 on two raylets (STRICT_SPREAD);
+- ``tp2``: the session's TP=2 RayVLLM, ranks on two raylets (STRICT_SPREAD), with ``taps``;
+- ``pp2``: RayVLLM, PP=2 on two raylets (STRICT_SPREAD), ``enforce_eager=False``;
 - ``tp2pp2``: RayVLLM, TP=2 x PP=2 (SPREAD);
 - ``pp3``: ``LocalVLLM(distributed_executor_backend="ray")``, PP=3, whose middle
   stage both receives recordings and sends them on (layers 0 | 1-2 | 3).
@@ -45,8 +45,10 @@ PROMPTS = ["Hello world", "The quick brown fox", "abc"]
 N_LAYERS = 4
 
 LAYOUTS = {
-    "tp2": dict(tensor_parallel_size=2, placement_strategy="STRICT_SPREAD"),
-    "pp2": dict(pipeline_parallel_size=2, placement_strategy="STRICT_SPREAD"),
+    "tp2": dict(tensor_parallel_size=2, placement_strategy="STRICT_SPREAD"),  # the session's: taps (conftest)
+    # A graph engine (issue 23): on the CPU build no graph is captured, so every step is eager, and every
+    # location, tapped or not, is served as on an eager engine; these tests check the mode's plumbing.
+    "pp2": dict(pipeline_parallel_size=2, placement_strategy="STRICT_SPREAD", enforce_eager=False),
     "tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2, placement_strategy="SPREAD"),
     "pp3": dict(pipeline_parallel_size=3, placement_strategy="SPREAD"),
 }
@@ -710,3 +712,16 @@ def test_killed_tp_rank_engine_actor_or_core_process_fail_every_waiter(engine, m
     finally:
         rebuilt.shutdown()
     nothing_left(name)
+
+
+@pytest.mark.parametrize("engine", ["tp2", "pp2"], indirect=True, scope="module")
+def test_graph_modes_count_every_step_on_every_rank(engine):
+    """Graph engines (tp2: taps, pp2: enforce_eager=False) report how steps ran: on the CPU build all eagerly."""
+    name, model = engine
+    with model.trace(PROMPT, max_tokens=3, temperature=0.0):
+        model.model.layers[0].mlp.output.save()  # untapped on tp2: served, as the other tests here show
+    modes = model.step_modes()
+    assert len(modes) == len(model.topology()), modes
+    assert all(set(rank) == {"eager"} and rank["eager"] >= 3 for rank in modes), modes
+    assert model.resolved_config()["config"]["model_config.enforce_eager"] == "False"
+
