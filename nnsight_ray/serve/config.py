@@ -101,6 +101,13 @@ class ServeArgs(BaseModel):
             clash = sorted(k for k in value if k in _LAYOUT_KEYS)
             if clash:
                 raise ValueError(f"engine_kwargs sets {clash}; give them as build_app arguments instead")
+            from ..errors import RequestError
+            from .._internal.graphs import engine_mode
+
+            try:
+                engine_mode(value)  # enforce_eager / taps (CUDA graphs): a contradiction is refused here
+            except RequestError as error:
+                raise ValueError(f"engine_kwargs: {error}") from None
         return value
 
     @property

@@ -144,7 +144,8 @@ def test_every_step_of_a_tapped_layer_with_tracer_all(ray_taps, hf):
     assert_close(outs[0][0] + outs[0][1], want[:n], what="tracer.all() prefill")
     for k in range(1, STEPS):
         assert_close((outs[k][0] + outs[k][1])[-1], want[n + k - 1], what=f"tracer.all() decode step {k}")
-    modes.expect(modes.ran.get("piecewise", 0) >= STEPS and "eager_for_block" not in modes.ran)
+    # The decode steps replay breakable graphs; vLLM runs this prefill eagerly itself (as measured on the H200).
+    modes.expect(modes.ran.get("piecewise", 0) >= STEPS - 1 and "eager_for_block" not in modes.ran)
 
 
 def test_a_registered_block_on_plain_generate_leaves_decode_to_full_graphs(ray_taps, hf):

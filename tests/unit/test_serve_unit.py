@@ -211,6 +211,13 @@ def test_build_app_binds_the_replica_its_registry_and_its_jobs(monkeypatch):
         build_app({"model": "/m", "nope": 1})
 
 
+def test_graph_modes_pass_through_engine_kwargs_and_contradictions_are_refused():
+    args = ServeArgs.parse({"model": "/m", "engine_kwargs": '{"taps": ["model.layers.*.output"]}'})
+    assert args.engine_kwargs == {"taps": ["model.layers.*.output"]}
+    with pytest.raises(ServeArgsError, match="contradicts taps"):
+        ServeArgs.parse({"model": "/m", "engine_kwargs": {"taps": ["model.layers.*.output"], "enforce_eager": True}})
+
+
 # --------------------------------------------------------------------------- registry
 
 
