@@ -134,7 +134,11 @@ class LocalVLLM(VLLM):
         self._engine_kwargs = kwargs
         # enforce_eager=False without taps: graphs on the steps no block needs
         # (``_internal/graphs.py``); nnsight's VLLM would refuse it, so it is taken here.
-        self._graphs = bool(self.taps) or kwargs.pop("enforce_eager", None) is False
+        asked = kwargs.pop("enforce_eager", None)
+        if asked and self.taps:
+            raise ValueError(f"enforce_eager=True contradicts taps={list(self.taps)!r}: taps are served from "
+                             "CUDA graphs. Drop one of them.")
+        self._graphs = bool(self.taps) or asked is False
         if self._graphs and not self.taps:
             os.environ.update(graphs.BREAKABLE_ENV)  # nnsight sets it for taps; the engine processes inherit it
         try:

@@ -235,6 +235,21 @@ def test_registered_block_reads_first_and_last_stage(engine, local_llama):
     assert counts == [0] * len(counts)
 
 
+@pytest.mark.parametrize("engine", ["tp2", "pp2"], indirect=True, scope="module")
+def test_graph_modes_count_every_step_on_every_rank(engine):
+    """Graph engines (tp2: taps, pp2: enforce_eager=False) report how steps ran: on the CPU build, all eagerly.
+
+    (Placed before the kill tests, which shut pp2 down.)
+    """
+    name, model = engine
+    with model.trace(PROMPT, max_tokens=3, temperature=0.0):
+        model.model.layers[0].mlp.output.save()  # untapped on tp2: served, as the other tests here show
+    modes = model.step_modes()
+    assert len(modes) == len(model.topology()), modes
+    assert all(set(rank) == {"eager"} and rank["eager"] >= 3 for rank in modes), modes
+    assert model.resolved_config()["config"]["model_config.enforce_eager"] == "False"
+
+
 def test_unsatisfiable_placement_fails_fast_with_what_was_asked(ray_cluster, model_dir):
     import time
 
@@ -712,16 +727,3 @@ def test_killed_tp_rank_engine_actor_or_core_process_fail_every_waiter(engine, m
     finally:
         rebuilt.shutdown()
     nothing_left(name)
-
-
-@pytest.mark.parametrize("engine", ["tp2", "pp2"], indirect=True, scope="module")
-def test_graph_modes_count_every_step_on_every_rank(engine):
-    """Graph engines (tp2: taps, pp2: enforce_eager=False) report how steps ran: on the CPU build all eagerly."""
-    name, model = engine
-    with model.trace(PROMPT, max_tokens=3, temperature=0.0):
-        model.model.layers[0].mlp.output.save()  # untapped on tp2: served, as the other tests here show
-    modes = model.step_modes()
-    assert len(modes) == len(model.topology()), modes
-    assert all(set(rank) == {"eager"} and rank["eager"] >= 3 for rank in modes), modes
-    assert model.resolved_config()["config"]["model_config.enforce_eager"] == "False"
-
