@@ -186,14 +186,10 @@ class Bench:
         return {}
 
     def step_modes(self) -> dict[str, int]:
-        """How the engine's steps ran so far, summed over ranks (nnsight_ray engines; ``{}`` otherwise)."""
+        """How the engine's steps ran so far, on its first rank (every rank runs every step); ``{}`` for plain vLLM."""
         if self.llm is not None or not hasattr(self.model, "step_modes"):
             return {}
-        total: dict[str, int] = {}
-        for rank in self.model.step_modes()[:1]:  # one rank's steps (every rank runs every step)
-            for key, value in rank.items():
-                total[key] = total.get(key, 0) + value
-        return total
+        return dict(self.model.step_modes()[0])
 
     def stop(self) -> None:
         if self.engine.startswith("ray") and self.model is not None:

@@ -305,6 +305,8 @@ class ExtractRunnerMixin:
             spec = (params.extra_args or {}).get(KEY) if params is not None else None
             if spec is not None and data.req_id not in self._extract_seen:
                 asking[data.req_id] = (data, spec)
+        # Every rank (not only the writer): a graph engine runs this step eagerly for it (``graphs``).
+        self.nnsight_ray_extract_asked = bool(asking)
         if self._extract_seen:
             finished = getattr(scheduler_output, "finished_req_ids", None) or ()
             self._extract_seen.difference_update(finished)

@@ -182,8 +182,6 @@ class GraphStepsRunnerMixin:
         if graph is None:
             return super().execute_model(*args, **kwargs)  # type: ignore[misc]
         graph["in_step"], graph["mode"] = True, None
-        # Extraction (``extract``) reads its rows in PyTorch forward hooks, which a replayed graph never runs.
-        graph["extract"] = graph["graphs"] and _asks_extraction(args[0] if args else kwargs.get("scheduler_output"))
         try:
             return super().execute_model(*args, **kwargs)  # type: ignore[misc]
         finally:
@@ -202,7 +200,10 @@ class GraphStepsRunnerMixin:
         forced = False
         if graph["graphs"]:
             interleaver = self.nnsight_model.interleaver  # type: ignore[attr-defined]
-            need = EAGER if graph["extract"] else step_need(interleaver.mediators, graph["taps"], graph["outside"])
+            # Extraction (``extract``: noted by its mixin's ``_update_states``, earlier in this step) reads its
+            # rows in PyTorch forward hooks, which a replayed graph never runs.
+            asked = getattr(self, "nnsight_ray_extract_asked", False)
+            need = EAGER if asked else step_need(interleaver.mediators, graph["taps"], graph["outside"])
             forced = need == EAGER and not kwargs.get("force_eager")
             if need == EAGER:
                 kwargs["force_eager"] = True
@@ -215,16 +216,6 @@ class GraphStepsRunnerMixin:
             self.nnsight_model.interleaver.taps = frozenset()  # type: ignore[attr-defined]
         self.nnsight_ray_step_modes.record(mode, forced)
         return result
-
-
-def _asks_extraction(scheduler_output: Any) -> bool:
-    from .extract import KEY
-
-    for data in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
-        params = data.sampling_params
-        if params is not None and KEY in (params.extra_args or {}):
-            return True
-    return False
 
 
 def _count_unvisited(interleaver: Any, taps: frozenset, outside: frozenset) -> None:
