@@ -180,11 +180,14 @@ class LocalVLLM(VLLM):
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
         # Each request names the ranks' own envoy tree rather than carrying a
         # copy, where the ranks' tree is this one (see `_internal.envoy_refs`).
-        from ._internal import envoy_refs
+        # A loop of invokes shares one block: it is reduced to source once (see `_internal.shared_blocks`).
+        from contextlib import nullcontext
 
-        if not envoy_refs.same_tree_as_ranks(self, self._pipeline_stages()):
-            return super()._attach_mediators(params, **kwargs)
-        with envoy_refs.by_reference(self):
+        from ._internal import envoy_refs
+        from ._internal.shared_blocks import shared_reductions
+
+        refs = envoy_refs.same_tree_as_ranks(self, self._pipeline_stages())
+        with shared_reductions(self.interleaver.mediators), envoy_refs.by_reference(self) if refs else nullcontext():
             return super()._attach_mediators(params, **kwargs)
 
     def step_modes(self) -> list[dict[str, int]]:

@@ -81,13 +81,17 @@ class RayRefBackend(Backend):
         return self.model.vllm_entrypoint.wait(self.ref, timeout)
 
 
+def _blocking_collect(timeout: float | None = None) -> dict[str, Any]:
+    raise RequestError("this trace was blocking: its values are in the variables it saved, "
+                       "not behind a reference (trace(..., blocking=False) gives one)")
+
+
 def no_ref(tracer: Any) -> Any:
-    """A blocking trace's ``tracer.ref`` / ``tracer.collect()``: there is none; say so."""
+    """A blocking trace's ``tracer.ref`` / ``tracer.collect()``: there is none; say so.
 
-    def collect(timeout: float | None = None) -> dict[str, Any]:
-        raise RequestError("this trace was blocking: its values are in the variables it saved, "
-                           "not behind a reference (trace(..., blocking=False) gives one)")
-
+    A module function, not a closure: a block that names ``tracer`` (``tracer.all()``) pickles the
+    tracer into every invoke's request, and a closure travels as its source, re-read each time.
+    """
     tracer.ref = None
-    tracer.collect = collect
+    tracer.collect = _blocking_collect
     return tracer

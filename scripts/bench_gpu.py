@@ -408,14 +408,15 @@ def child(args: argparse.Namespace) -> None:
             print(f"[{args.child}] {workload} FAILED: {type(error).__name__}: {error}", flush=True)
         out.write_text(json.dumps(result))
     if args.profile:
-        profile(bench, args.profile)
+        profile(bench, args.profile, args.workloads.split(","))
     if args.spy:
         spy(bench, args)
     bench.stop()
 
 
-def profile(bench: Bench, top: int) -> None:
-    """``generate`` and ``trace`` once each under cProfile: the top functions by own time, per step.
+def profile(bench: Bench, top: int, workloads: list[str]) -> None:
+    """Each of ``workloads`` (of generate, registered, trace, every-step; default generate and trace) once under
+    cProfile: the top functions by own time and by cumulative time.
 
     Meant for ``--engines local-profile`` (LocalVLLM with vLLM's engine core in
     this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the runner's
@@ -425,10 +426,10 @@ def profile(bench: Bench, top: int) -> None:
     import io
     import pstats
 
-    for workload in ("generate", "trace"):
+    for workload in [w for w in workloads if w in ("generate", "registered", "trace", "every-step")] or ["generate", "trace"]:
         profiler = cProfile.Profile()
         profiler.enable()
-        getattr(bench, "run_" + workload)()
+        getattr(bench, "run_" + workload.replace("-", "_"))()
         profiler.disable()
         out = io.StringIO()
         stats = pstats.Stats(profiler, stream=out)
@@ -584,7 +585,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine's child process")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="after the workloads, print the top N functions of generate and trace under cProfile "
+                        help="after the workloads, print the top N functions of each of --workloads (generate, registered, trace, every-step) under cProfile "
                              "(engine local-profile: LocalVLLM with vLLM's engine core in process)")
     parser.add_argument("--spy", type=float, default=0, metavar="S",
                         help="after the workloads, loop each of --spy-workloads for S seconds under py-spy, "

@@ -1,4 +1,4 @@
-"""Every block a rank receives gets a source name of its own.
+"""Every block a rank receives is named by its source.
 
 Problem (nnsight 0.8.1): a deserialized block is compiled under the name
 ``<edit-{id(mediator)}>`` (``Mediator.__setstate__``), and nnsight memoizes a
@@ -13,19 +13,26 @@ statement at <edit-140451252211856>:124" (1 run in 3 of nnsight's
 Fix, on the rank, right after nnsight deserialized a block (the runner's
 ``_update_states`` for traces, ``nnsight_register`` for registered blocks):
 its code (and every code object nested in it) is re-targeted to
-``<nnsight-ray-block-<pid>-<n>>``, a name never used twice in the process, with
-its source registered in ``linecache`` under that name. When the request is
-collected (or the registration cleared), the entries this module made are
-removed again from ``linecache`` and from nnsight's two memo dicts, so a rank
-that serves millions of requests keeps none of them. Nothing of nnsight's is
-replaced: only entries under names this module created are added or removed.
+``<nnsight-ray-block-<digest>>``, the SHA-256 of its source, with the source
+registered in ``linecache`` under that name. Two blocks share a name only if
+they share their source, so nnsight's memo is right for both; and the many
+invokes of one trace (a loop of ``tracer.invoke``: one block) parse and
+compile a nested ``with`` once per rank instead of once per request. Names are
+counted: when the last request using one is collected (or the registration
+cleared), the entries under it are removed from ``linecache`` and from
+nnsight's two memo dicts, so a rank that serves millions of requests keeps
+none of them. A block with no source in ``linecache`` gets a name never used
+twice in the process (``<nnsight-ray-block-<pid>-<n>>``). Nothing of nnsight's
+is replaced: only entries under names this module created are added or removed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import linecache
 import os
+import threading
 from types import CodeType
 from typing import Any, Optional
 
@@ -33,6 +40,8 @@ from .classes import extend
 
 _PREFIX = "<edit-"
 _counter = itertools.count()
+_users: dict[str, int] = {}  # name -> blocks using it now (each `rename` is one, each `forget` ends one)
+_lock = threading.Lock()
 
 
 def _retarget(code: CodeType, filename: str) -> CodeType:
@@ -41,30 +50,41 @@ def _retarget(code: CodeType, filename: str) -> CodeType:
 
 
 def rename(mediator: Any) -> Optional[str]:
-    """Give a freshly deserialized block a unique source name; return it (None if it had none to replace)."""
+    """Name a freshly deserialized block by its source; return the name (None if it had none to replace).
+
+    Every name returned is one use: ``forget`` it once when the block is done.
+    """
     code = getattr(mediator, "code", None)
     if not isinstance(code, CodeType) or not code.co_filename.startswith(_PREFIX):
         return None
-    old = code.co_filename
-    new = f"<nnsight-ray-block-{os.getpid()}-{next(_counter)}>"
-    entry = linecache.cache.pop(old, None)
-    if entry is not None:
-        linecache.cache[new] = (entry[0], None, entry[2], new)
+    entry = linecache.cache.pop(code.co_filename, None)
+    with _lock:
+        if entry is not None:
+            new = f"<nnsight-ray-block-{hashlib.sha256(''.join(entry[2]).encode()).hexdigest()[:32]}>"
+            linecache.cache.setdefault(new, (entry[0], None, entry[2], new))
+        else:
+            new = f"<nnsight-ray-block-{os.getpid()}-{next(_counter)}>"
+        _users[new] = _users.get(new, 0) + 1
     mediator.code = _retarget(code, new)
     return new
 
 
 def forget(filename: Optional[str]) -> None:
-    """Drop every cache entry kept under ``filename`` (one this module made)."""
+    """One use of ``filename`` (a name `rename` gave) is over; the last drops every cache entry under it."""
     if not filename:
         return
     from nnsight.tracing import globals as nnsight_globals
 
-    linecache.cache.pop(filename, None)
-    nnsight_globals.SOURCES.pop(filename, None)
-    blocks = nnsight_globals.BLOCKS
-    for key in [key for key in blocks if key[0] == filename]:
-        del blocks[key]
+    with _lock:
+        users = _users.pop(filename, 0) - 1
+        if users > 0:
+            _users[filename] = users
+            return
+        linecache.cache.pop(filename, None)
+        nnsight_globals.SOURCES.pop(filename, None)
+        blocks = nnsight_globals.BLOCKS
+        for key in [key for key in blocks if key[0] == filename]:
+            del blocks[key]
 
 
 def held(runner: Any) -> dict[str, int]:

@@ -64,6 +64,59 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
     return _from_numpy, (tensor.numpy(),)
 
 
+# Device tensors up to this size are copied to the host together (one synchronization for all of
+# them); larger ones, whose copy outweighs a synchronization, go one by one as before.
+BATCH_BYTES = 1 << 20
+# The most device memory one batched copy stages at once.
+BATCH_LIMIT = 256 << 20
+
+
+def _batchable(tensor: torch.Tensor) -> bool:
+    return (type(tensor) is torch.Tensor and tensor.device.type != "cpu" and not tensor.requires_grad
+            and tensor.layout == torch.strided and not tensor.is_quantized
+            and tensor.numel() * tensor.element_size() <= BATCH_BYTES)
+
+
+def to_host(values: list[Any]) -> list[Any]:
+    """``values`` with every small device tensor reachable through containers on the host, copied in batches.
+
+    A trace saving a value at every step of hundreds of requests leaves
+    thousands of small tensors on the device; ``.cpu()`` on each is one
+    device synchronization each (and, on a rank's second thread, each waits for
+    whatever step the engine queued meanwhile). Here tensors of one device
+    and dtype are concatenated on the device (one kernel), copied once, and
+    split back on the host: one synchronization per group. Containers (dict,
+    list, tuple, set) are rebuilt as nnsight's ``apply`` rebuilds them; other
+    objects and large tensors are left for the pickler, which copies them itself.
+    """
+    from nnsight.util import apply
+
+    groups: dict[tuple[Any, torch.dtype], list[torch.Tensor]] = {}
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        if _batchable(tensor):
+            groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+        return tensor
+
+    apply(values, note, torch.Tensor)
+    if not groups:
+        return values
+    host: dict[int, torch.Tensor] = {}
+    for tensors in groups.values():
+        unique = list({id(t): t for t in tensors}.values())
+        start = 0
+        while start < len(unique):  # chunks of at most BATCH_LIMIT bytes
+            chunk, size = [], 0
+            while start < len(unique) and (not chunk or size + unique[start].nbytes <= BATCH_LIMIT):
+                size += unique[start].nbytes
+                chunk.append(unique[start])
+                start += 1
+            flat = torch.cat([t.reshape(-1) for t in chunk]).cpu()
+            for tensor, part in zip(chunk, torch.split(flat, [t.numel() for t in chunk])):
+                host[id(tensor)] = part.view(tensor.shape)
+    return apply(values, lambda t: host.get(id(t), t), torch.Tensor)
+
+
 class _Pickler(_CompactPickler):
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is torch.Tensor and not obj.requires_grad and obj.layout == torch.strided and not obj.is_quantized:

@@ -54,13 +54,15 @@ def take_serialized(request_ids: list[str]) -> list[bytes | None]:
 
     The stash keeps each request's collected entry as it is (saved values still
     where the forward left them, on the device): pickling, and the copy off the
-    device, happen here, off the engine's critical path, instead of inside the
-    collective ``nnsight_ray_stash``, during which vLLM's engine core runs no step.
+    device (small tensors of all these requests in one batch: ``payload.to_host``),
+    happen here, off the engine's critical path, instead of inside the collective
+    ``nnsight_ray_stash``, during which vLLM's engine core runs no step.
     """
-    from .payload import dumps
+    from .payload import dumps, to_host
 
+    entries = to_host(stash_take(request_ids))  # small device tensors leave the device together
     return [serialize_entry(rid, entry, dumps) if isinstance(entry, dict) else entry
-            for rid, entry in zip(request_ids, stash_take(request_ids))]
+            for rid, entry in zip(request_ids, entries)]
 
 
 def stash_size() -> int:

@@ -12,28 +12,36 @@ from nnsight_ray._internal.block_names import forget, rename
 SOURCE = "def inner():\n    return 1\nx = inner()\n"
 
 
-def received() -> Mediator:
+def received(source: str = SOURCE) -> Mediator:
     """A block as a rank gets it: nnsight's __setstate__ names it <edit-{id}>."""
     mediator = Mediator.__new__(Mediator)
-    mediator.__setstate__({"reduced": (SOURCE, {}, {}), "copy": False, "presaved": set()})
+    mediator.__setstate__({"reduced": (source, {}, {}), "copy": False, "presaved": set()})
     return mediator
 
 
-def test_rename_gives_every_block_a_name_of_its_own_with_its_source():
-    names = set()
-    for _ in range(300):
+def test_blocks_are_named_by_their_source_and_the_name_lives_while_one_uses_it():
+    names = []
+    for _ in range(300):  # one trace's invokes: one source, many requests
         mediator = received()
         old = mediator.code.co_filename
         assert old.startswith("<edit-")
-        new = rename(mediator)
-        names.add(new)
-        assert mediator.code.co_filename == new
+        names.append(rename(mediator))
+        assert mediator.code.co_filename == names[-1]
         inner = next(c for c in mediator.code.co_consts if hasattr(c, "co_filename"))
-        assert inner.co_filename == new  # nested code objects too
-        assert "".join(linecache.cache[new][2]) == SOURCE
+        assert inner.co_filename == names[-1]  # nested code objects too
         assert old not in linecache.cache
-        forget(new)
-    assert len(names) == 300
+    assert len(set(names)) == 1 and "".join(linecache.cache[names[0]][2]) == SOURCE
+    other = received(SOURCE + "y = x\n")
+    other_name = rename(other)
+    assert other_name != names[0] and "".join(linecache.cache[other_name][2]) == SOURCE + "y = x\n"
+    forget(other_name)
+    nnsight_globals.SOURCES[names[0]] = SOURCE  # what a nested `with` leaves behind
+    for name in names[:-1]:
+        forget(name)
+        assert name in linecache.cache and name in nnsight_globals.SOURCES  # still in use
+    forget(names[-1])
+    assert names[0] not in linecache.cache and names[0] not in nnsight_globals.SOURCES
+    assert other_name not in linecache.cache
 
 
 def test_forget_removes_only_its_own_entries():

@@ -94,3 +94,30 @@ def test_unserialized_returns_the_dict_and_restores_nnsight():
     with pytest.raises(RuntimeError), payload.unserialized():
         raise RuntimeError("collect failed")
     assert runner_module.dumps_compact is original
+
+
+def test_to_host_batches_device_tensors_and_rebuilds_every_container(monkeypatch):
+    """The grouping, chunking and splitting of ``to_host``; on this CPU-only machine CPU tensors stand in
+    for device ones (``_batchable`` says which). On the GPU every save comes home this way (tests/gpu)."""
+    monkeypatch.setattr(payload, "_batchable", lambda t: t.numel() < 1000)
+    monkeypatch.setattr(payload, "BATCH_LIMIT", 64)  # several chunks per dtype
+    cats = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda ts: cats.append(len(ts)) or real_cat(ts))
+    shared = torch.arange(6, dtype=torch.float32).view(2, 3)
+    big = torch.zeros(2000)
+    entries = [
+        {"saves": {"h": [torch.full((4,), float(i)) for i in range(8)], "t": (shared, shared.t()), "big": big}},
+        {"saves": {"s": shared, "ids": torch.arange(3), "n": 7, "bf": torch.ones(5, dtype=torch.bfloat16)}},
+        b"",
+    ]
+    got = payload.to_host(entries)
+    assert got[2] == b"" and got[1]["saves"]["n"] == 7
+    assert got[0]["saves"]["big"] is big  # too large to batch: left for the pickler
+    assert [t.tolist() for t in got[0]["saves"]["h"]] == [[float(i)] * 4 for i in range(8)]
+    first, transposed = got[0]["saves"]["t"]
+    assert torch.equal(first, shared) and torch.equal(transposed, shared.t()) and transposed.shape == (3, 2)
+    assert got[1]["saves"]["s"] is first  # one tensor saved twice stays one tensor
+    assert torch.equal(got[1]["saves"]["ids"], torch.arange(3)) and got[1]["saves"]["bf"].dtype == torch.bfloat16
+    assert sum(cats) == 12 and len(cats) > 3  # 12 distinct small tensors, chunks of at most 64 bytes per dtype
+    assert pickle.loads(payload.dumps(got[0]))["saves"]["h"][3].tolist() == [3.0] * 4

@@ -1,0 +1,97 @@
+"""A trace's invokes reduce their shared block once, not once per invoke.
+
+Problem (nnsight 0.8.1). ``VLLM._attach_mediators`` pickles every invoke's
+worker on its own, and ``Mediator.__getstate__`` reduces the worker's block
+with ``reduce_block``: ``ast.unparse`` of the block, then ``ast.parse`` and two
+``ast.walk`` passes to find the names it reads. A trace written as a loop of N
+invokes has one block, reduced N times, all on the caller's thread before the
+first request leaves: 1.5 ms per invoke of the caller's 5.4 ms on the 2-core
+machine, a quarter of a 64-invoke trace's whole time (cProfile,
+docs/performance.md, "The caller's cost per invoke").
+
+Design. While ``LocalVLLM._attach_mediators`` serializes, each worker's class
+is swapped for ``SharedReductionMediator``, whose state is nnsight's own
+(``{"reduced": (source, globals, locals), "copy", "presaved"}``) built from a
+per-attach cache of each distinct block's source and names: nnsight's
+``reduce_block`` runs once per block (the names are the ones its ``code_reduce``
+looks up), and each invoke only filters its own scope by those names, as
+``code_reduce`` does. It pickles as a plain ``Mediator`` with nnsight's state
+(``object.__new__(Mediator)``, then nnsight's ``__setstate__``: what pickle's
+default reduction does), so any receiver reads it; the swap is undone when the
+attach ends, whether or not it succeeded. ``tests/unit/test_shared_blocks.py`` holds the state equal to
+nnsight's for the same workers.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
+
+from nnsight.intervention.interleaver import Mediator
+
+
+class SharedReductionMediator(Mediator):
+    """A ``Mediator`` during an attach: its block's reduction comes from the attach's cache."""
+
+    _nnsight_ray_reductions: dict[int, tuple[Any, str, frozenset[str]]]
+
+    def __getstate__(self) -> dict:
+        from nnsight.tracing.tracer import _saves
+
+        source, names = _reduction(self._nnsight_ray_reductions, self.node)
+        used_globals, used_locals = {}, {}
+        for name in names:  # nnsight's code_reduce: locals first, then globals by subscript (a Scope's fallbacks)
+            if name in self.lcls:
+                used_locals[name] = self.lcls[name]
+                continue
+            try:
+                used_globals[name] = self.glbls[name]
+            except KeyError:
+                pass
+        # nnsight's Mediator.__getstate__ from here: saved-ness travels by name.
+        presaved = {name for name, value in used_locals.items() if id(value) in _saves()}
+        self.presaved = presaved
+        return {"reduced": (source, used_globals, used_locals), "copy": self.copy, "presaved": presaved}
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return (object.__new__, (Mediator,), self.__getstate__())
+
+
+class _AskedNames(dict):
+    """An empty scope that records which names nnsight's ``code_reduce`` looks up in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: set[str] = set()
+
+    def __contains__(self, name: object) -> bool:
+        self.asked.add(name)  # type: ignore[arg-type]
+        return False
+
+
+def _reduction(cache: dict[int, tuple[Any, str, frozenset[str]]], node: Any) -> tuple[str, frozenset[str]]:
+    """The block's source and the names it reads, from nnsight's ``reduce_block``, once per block per attach."""
+    from nnsight.intervention.serialization import reduce_block
+
+    hit = cache.get(id(node))
+    if hit is None:
+        scope = _AskedNames()
+        source = reduce_block(node, {}, scope)[0]
+        hit = cache[id(node)] = (node, source, frozenset(scope.asked))  # the node pins its id
+    return hit[1], hit[2]
+
+
+@contextmanager
+def shared_reductions(mediators: Iterable[Any]) -> Iterator[None]:
+    """Within: ``mediators`` (nnsight workers with a block) pickle with one reduction per distinct block."""
+    cache: dict[int, tuple[Any, str, frozenset[str]]] = {}
+    swapped = [m for m in mediators if type(m) is Mediator and m.node is not None]
+    for mediator in swapped:
+        mediator.__class__ = SharedReductionMediator
+        mediator._nnsight_ray_reductions = cache
+    try:
+        yield
+    finally:
+        for mediator in swapped:
+            mediator.__class__ = Mediator
+            mediator.__dict__.pop("_nnsight_ray_reductions", None)
