@@ -69,6 +69,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -502,7 +503,7 @@ def spy(bench: Bench, args: argparse.Namespace) -> None:
         procs = engine_processes()
         spies = []
         for pid, name in procs.items():
-            raw = out / f"{bench.engine}-{workload}-{name.replace('/', '_').replace(' ', '_')}-{pid}.txt"
+            raw = out / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{bench.engine}-{workload}-{name}-{pid}.txt")
             spies.append((name, raw, subprocess.Popen(
                 [binary, "record", "-p", str(pid), "-o", str(raw), "-f", "raw", "-r", "250",
                  "-d", str(int(args.spy)), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))

@@ -1,29 +1,33 @@
-"""Saved values on the wire: nnsight's compact pickle with a fast path for tensors.
+"""Saved values on the wire: nnsight's compact pickle, every plain tensor packed into one buffer per dtype.
 
 Problem. nnsight ships a rank's saves with ``dumps_compact``, plain pickle
 where a tensor viewing a larger buffer is written as a copy of itself. Plain
 pickle writes every tensor through ``torch.save`` of its storage and reads it
 back through ``torch.load``: ~100 us to write and ~250 us to read one small
-tensor, whatever its size. A trace saving every layer at every token carries
-thousands of small tensors, and each crosses three pickles on its way home
-(rank, merge actor, caller), so serialization, not the forward, bounded how
-fast saved values came back (measured in docs/performance.md).
+tensor, whatever its size. Writing each tensor as a numpy buffer (this module's
+first form) cut that to ~25 us a tensor a hop, still per tensor and, on a GPU,
+one device synchronization per tensor: a trace saving one value at every step
+of 256 requests carries 8,192 small tensors, and on the H200 moving them
+rank -> merge actor -> caller took 1.4 s of a 2 s run (py-spy,
+docs/performance.md, "Where the time goes").
 
-Design. ``dumps`` is nnsight's compact pickler with one more rule: a plain
-dense tensor (exactly ``torch.Tensor``, no grad, not quantized or sparse) is
-written as a numpy array, one protocol-5 buffer holding only its own elements,
-and read back with ``torch.from_numpy`` over a writable ``bytearray``. dtypes
-numpy lacks (bfloat16, float8, complex32) travel as the same-size integer
-dtype and are viewed back. The result
-is still plain pickle (``pickle.loads`` reads it anywhere ``nnsight_ray``
-imports), still compact, and equal in value, dtype and shape. A tensor on a GPU
-arrives on the CPU: the merge actor and the caller need no GPU to read it
-(nnsight's in-process engine hands back device tensors; here the values have
-left the device's process anyway). Everything else (tensor subclasses, tensors
-needing grad) goes the way nnsight sends it.
+Design. ``dumps`` is nnsight's compact pickler in which a plain dense tensor
+(exactly ``torch.Tensor``, no grad, strided, not quantized, not on the meta
+device) is written as a persistent id, an index into the payload's tensors.
+After the structure is pickled, the tensors of one device and dtype are
+concatenated (one kernel on a GPU), copied off the device once, and written as
+one protocol-5 buffer per dtype beside the structure; each tensor is an offset
+and a shape. The result is plain pickle (``pickle.loads`` reads it anywhere
+``nnsight_ray`` imports: a reduce to ``_unpack``), compact (a tensor carries
+only its own elements), and equal in value, dtype and shape; each loaded tensor
+is a view of its dtype's buffer, which is writable (a ``bytearray``). A tensor
+on a GPU arrives on the CPU: the merge actor and the caller need no GPU to read
+it. One object saved twice is one tensor when it arrives. Everything else
+(tensor subclasses, tensors needing grad) goes the way nnsight sends it.
 
 - Ranks: ``nnsight_ray_stash`` collects with nnsight's own ``collect_nnsight``
-  inside ``unserialized()`` and pickles the dict with ``dumps``.
+  inside ``unserialized()``; the merge actor's call pickles each request's
+  entry with ``dumps`` (one device copy per dtype per request).
 - The merge actor: nnsight's ``merge_collected`` reads these bytes with plain
   ``pickle.loads``; what it returns to callers is wrapped in ``Packed``, so Ray
   writes it with ``dumps`` too and the caller's ``ray.get`` gets the value
@@ -41,97 +45,88 @@ import torch
 from nnsight.modeling.vllm.collect import _CompactPickler
 
 
-def _from_numpy(array: Any) -> torch.Tensor:
-    return torch.from_numpy(array)
-
-
-def _from_numpy_as(array: Any, dtype: torch.dtype) -> torch.Tensor:
-    return torch.from_numpy(array).view(dtype)
-
-
-# dtypes numpy lacks travel as the same-size integer and are viewed back
-_CARRIER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NUMPY_LACKS = {torch.bfloat16, torch.complex32, *(v for k, v in vars(torch).items() if k.startswith("float8_"))}
-
-
-def _reduce_tensor(obj: torch.Tensor) -> Any:
-    tensor = obj if obj.device.type == "cpu" else obj.cpu()
-    if tensor.is_conj() or tensor.is_neg():
-        tensor = tensor.resolve_conj().resolve_neg()
-    # numpy writes only this tensor's elements (compact), as one buffer
-    if tensor.dtype in _NUMPY_LACKS:
-        return _from_numpy_as, (tensor.view(_CARRIER[tensor.element_size()]).numpy(), tensor.dtype)
-    return _from_numpy, (tensor.numpy(),)
-
-
-# Device tensors up to this size are copied to the host together (one synchronization for all of
-# them); larger ones, whose copy outweighs a synchronization, go one by one as before.
-BATCH_BYTES = 1 << 20
-# The most device memory one batched copy stages at once.
-BATCH_LIMIT = 256 << 20
-
-
-def _batchable(tensor: torch.Tensor) -> bool:
-    return (type(tensor) is torch.Tensor and tensor.device.type != "cpu" and not tensor.requires_grad
-            and tensor.layout == torch.strided and not tensor.is_quantized
-            and tensor.numel() * tensor.element_size() <= BATCH_BYTES)
-
-
-def to_host(values: list[Any]) -> list[Any]:
-    """``values`` with every small device tensor reachable through containers on the host, copied in batches.
-
-    A trace saving a value at every step of hundreds of requests leaves
-    thousands of small tensors on the device; ``.cpu()`` on each is one
-    device synchronization each (and, on a rank's second thread, each waits for
-    whatever step the engine queued meanwhile). Here tensors of one device
-    and dtype are concatenated on the device (one kernel), copied once, and
-    split back on the host: one synchronization per group. Containers (dict,
-    list, tuple, set) are rebuilt as nnsight's ``apply`` rebuilds them; other
-    objects and large tensors are left for the pickler, which copies them itself.
-    """
-    from nnsight.util import apply
-
-    groups: dict[tuple[Any, torch.dtype], list[torch.Tensor]] = {}
-
-    def note(tensor: torch.Tensor) -> torch.Tensor:
-        if _batchable(tensor):
-            groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-        return tensor
-
-    apply(values, note, torch.Tensor)
-    if not groups:
-        return values
-    host: dict[int, torch.Tensor] = {}
-    for tensors in groups.values():
-        unique = list({id(t): t for t in tensors}.values())
-        start = 0
-        while start < len(unique):  # chunks of at most BATCH_LIMIT bytes
-            chunk, size = [], 0
-            while start < len(unique) and (not chunk or size + unique[start].nbytes <= BATCH_LIMIT):
-                size += unique[start].nbytes
-                chunk.append(unique[start])
-                start += 1
-            flat = torch.cat([t.reshape(-1) for t in chunk]).cpu()
-            for tensor, part in zip(chunk, torch.split(flat, [t.numel() for t in chunk])):
-                host[id(tensor)] = part.view(tensor.shape)
-    return apply(values, lambda t: host.get(id(t), t), torch.Tensor)
+def _packable(obj: Any) -> bool:
+    return (type(obj) is torch.Tensor and not obj.requires_grad and obj.layout == torch.strided
+            and not obj.is_quantized and obj.device.type != "meta")
 
 
 class _Pickler(_CompactPickler):
-    def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is torch.Tensor and not obj.requires_grad and obj.layout == torch.strided and not obj.is_quantized:
-            try:
-                return _reduce_tensor(obj)
-            except (RuntimeError, TypeError, NotImplementedError):  # a meta tensor, ...: nnsight's way
-                pass
-        return super().reducer_override(obj)
+    """nnsight's compact pickler; plain tensors become indices into ``self.tensors``."""
+
+    def __init__(self, file: Any, protocol: int) -> None:
+        super().__init__(file, protocol)
+        self.tensors: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not _packable(obj):
+            return None
+        index = self._index.get(id(obj))
+        if index is None:
+            index = self._index[id(obj)] = len(self.tensors)
+            self.tensors.append(obj)
+        return index
+
+
+def _pack(tensors: list[torch.Tensor]) -> tuple[list[Any], list[tuple[int, int, int, tuple[int, ...]]]]:
+    """One host buffer per dtype (a uint8 array, for protocol 5) and, per tensor, (buffer, offset, numel, shape)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+    buffers: list[Any] = []
+    dtypes: list[torch.dtype] = []
+    specs: list[Any] = [None] * len(tensors)
+    for (_, dtype), members in groups.items():
+        parts = [_flat(tensors[i]) for i in members]
+        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu()  # one kernel, one copy off the device
+        offset = 0
+        for i, part in zip(members, parts):
+            specs[i] = (len(buffers), offset, part.numel(), tuple(tensors[i].shape))
+            offset += part.numel()
+        buffers.append(pickle.PickleBuffer(flat.contiguous().view(torch.uint8).numpy()) if flat.numel() else b"")
+        dtypes.append(dtype)
+    return [(buffer, dtype) for buffer, dtype in zip(buffers, dtypes)], specs
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_complex():
+        tensor = tensor.resolve_conj().resolve_neg()
+    return tensor if tensor.dim() == 1 and tensor.is_contiguous() else tensor.reshape(-1)
+
+
+def _unpack(structure: bytes, buffers: list[tuple[Any, torch.dtype]], specs: list[Any]) -> Any:
+    """``dumps``'s payload back: each dtype's buffer viewed once, each tensor a view of it, then the structure."""
+    tensors: list[Any] = [None] * len(specs)
+    for b, (buffer, dtype) in enumerate(buffers):
+        base = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype) if len(buffer) else torch.empty(0, dtype=dtype)
+        members = [i for i, spec in enumerate(specs) if spec[0] == b]  # in buffer order
+        for i, piece in zip(members, torch.split(base, [specs[i][2] for i in members])):
+            shape = specs[i][3]
+            tensors[i] = piece if len(shape) == 1 else piece.view(shape)
+    unpickler = pickle.Unpickler(io.BytesIO(structure))
+    unpickler.persistent_load = tensors.__getitem__
+    return unpickler.load()
+
+
+class _Payload:
+    __slots__ = ("structure", "buffers", "specs")
+
+    def __init__(self, structure: bytes, buffers: list, specs: list) -> None:
+        self.structure, self.buffers, self.specs = structure, buffers, specs
+
+    def __reduce__(self) -> Any:
+        return _unpack, (self.structure, self.buffers, self.specs)
 
 
 def dumps(value: Any) -> bytes:
-    """Pickle ``value`` like nnsight's ``dumps_compact``, plain tensors as numpy buffers (on the CPU)."""
+    """Pickle ``value`` like nnsight's ``dumps_compact``, plain tensors packed per dtype (on the CPU)."""
     buffer = io.BytesIO()
-    _Pickler(buffer, pickle.HIGHEST_PROTOCOL).dump(value)
-    return buffer.getvalue()
+    pickler = _Pickler(buffer, pickle.HIGHEST_PROTOCOL)
+    pickler.dump(value)
+    if not pickler.tensors:
+        return buffer.getvalue()
+    buffers, specs = _pack(pickler.tensors)
+    return pickle.dumps(_Payload(buffer.getvalue(), buffers, specs), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class Packed:

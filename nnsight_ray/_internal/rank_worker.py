@@ -54,15 +54,14 @@ def take_serialized(request_ids: list[str]) -> list[bytes | None]:
 
     The stash keeps each request's collected entry as it is (saved values still
     where the forward left them, on the device): pickling, and the copy off the
-    device (small tensors of all these requests in one batch: ``payload.to_host``),
-    happen here, off the engine's critical path, instead of inside the collective
-    ``nnsight_ray_stash``, during which vLLM's engine core runs no step.
+    device (one per dtype per request: ``payload.dumps``), happen here, off the
+    engine's critical path, instead of inside the collective ``nnsight_ray_stash``,
+    during which vLLM's engine core runs no step.
     """
-    from .payload import dumps, to_host
+    from .payload import dumps
 
-    entries = to_host(stash_take(request_ids))  # small device tensors leave the device together
     return [serialize_entry(rid, entry, dumps) if isinstance(entry, dict) else entry
-            for rid, entry in zip(request_ids, entries)]
+            for rid, entry in zip(request_ids, stash_take(request_ids))]
 
 
 def stash_size() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import pickletools
 
 import cloudpickle
 import pytest
@@ -96,28 +97,20 @@ def test_unserialized_returns_the_dict_and_restores_nnsight():
     assert runner_module.dumps_compact is original
 
 
-def test_to_host_batches_device_tensors_and_rebuilds_every_container(monkeypatch):
-    """The grouping, chunking and splitting of ``to_host``; on this CPU-only machine CPU tensors stand in
-    for device ones (``_batchable`` says which). On the GPU every save comes home this way (tests/gpu)."""
-    monkeypatch.setattr(payload, "_batchable", lambda t: t.numel() < 1000)
-    monkeypatch.setattr(payload, "BATCH_LIMIT", 64)  # several chunks per dtype
-    cats = []
-    real_cat = torch.cat
-    monkeypatch.setattr(torch, "cat", lambda ts: cats.append(len(ts)) or real_cat(ts))
-    shared = torch.arange(6, dtype=torch.float32).view(2, 3)
-    big = torch.zeros(2000)
-    entries = [
-        {"saves": {"h": [torch.full((4,), float(i)) for i in range(8)], "t": (shared, shared.t()), "big": big}},
-        {"saves": {"s": shared, "ids": torch.arange(3), "n": 7, "bf": torch.ones(5, dtype=torch.bfloat16)}},
-        b"",
-    ]
-    got = payload.to_host(entries)
-    assert got[2] == b"" and got[1]["saves"]["n"] == 7
-    assert got[0]["saves"]["big"] is big  # too large to batch: left for the pickler
-    assert [t.tolist() for t in got[0]["saves"]["h"]] == [[float(i)] * 4 for i in range(8)]
-    first, transposed = got[0]["saves"]["t"]
-    assert torch.equal(first, shared) and torch.equal(transposed, shared.t()) and transposed.shape == (3, 2)
-    assert got[1]["saves"]["s"] is first  # one tensor saved twice stays one tensor
-    assert torch.equal(got[1]["saves"]["ids"], torch.arange(3)) and got[1]["saves"]["bf"].dtype == torch.bfloat16
-    assert sum(cats) == 12 and len(cats) > 3  # 12 distinct small tensors, chunks of at most 64 bytes per dtype
-    assert pickle.loads(payload.dumps(got[0]))["saves"]["h"][3].tolist() == [3.0] * 4
+def test_every_plain_tensor_travels_in_one_buffer_per_dtype_and_loads_as_views_of_it():
+    """8,192 small saves (a value at every step of 256 requests) cost one copy per dtype, not one per tensor."""
+    steps = [torch.full((4,), float(i)) for i in range(64)]
+    ids = torch.arange(3)
+    value = {"h": steps, "pair": (steps[0], steps[0].t()), "ids": ids, "bf": torch.ones(5, dtype=torch.bfloat16),
+             "n": 7, "grad": torch.ones(2, requires_grad=True)}
+    data = payload.dumps(value)
+    ops = [op.name for op, _, _ in pickletools.genops(data)]
+    assert ops.count("BYTEARRAY8") == 3  # float32, int64, bfloat16 (the grad tensor goes nnsight's way)
+    got = pickle.loads(data)
+    assert [t.tolist() for t in got["h"]] == [[float(i)] * 4 for i in range(64)]
+    assert got["pair"][0] is got["h"][0]  # one object saved twice stays one object
+    assert torch.equal(got["ids"], ids) and got["bf"].dtype == torch.bfloat16 and got["n"] == 7
+    assert got["grad"].requires_grad
+    base = got["h"][0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in got["h"])  # views of one buffer
+    assert len(data) < 64 * 4 * 4 + 3 * 8 + 5 * 2 + 2500
