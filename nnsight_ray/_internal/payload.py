@@ -73,8 +73,7 @@ def _pack(tensors: list[torch.Tensor]) -> tuple[list[Any], list[tuple[int, int, 
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for index, tensor in enumerate(tensors):
         groups.setdefault((tensor.device, tensor.dtype), []).append(index)
-    buffers: list[Any] = []
-    dtypes: list[torch.dtype] = []
+    buffers: list[tuple[Any, torch.dtype]] = []
     specs: list[Any] = [None] * len(tensors)
     for (_, dtype), members in groups.items():
         parts = [_flat(tensors[i]) for i in members]
@@ -83,24 +82,25 @@ def _pack(tensors: list[torch.Tensor]) -> tuple[list[Any], list[tuple[int, int, 
         for i, part in zip(members, parts):
             specs[i] = (len(buffers), offset, part.numel(), tuple(tensors[i].shape))
             offset += part.numel()
-        buffers.append(pickle.PickleBuffer(flat.contiguous().view(torch.uint8).numpy()) if flat.numel() else b"")
-        dtypes.append(dtype)
-    return [(buffer, dtype) for buffer, dtype in zip(buffers, dtypes)], specs
+        buffers.append((pickle.PickleBuffer(flat.view(torch.uint8).numpy()) if flat.numel() else b"", dtype))
+    return buffers, specs
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_complex():
         tensor = tensor.resolve_conj().resolve_neg()
-    return tensor if tensor.dim() == 1 and tensor.is_contiguous() else tensor.reshape(-1)
+    return tensor if tensor.dim() == 1 and tensor.is_contiguous() else tensor.reshape(-1).contiguous()
 
 
 def _unpack(structure: bytes, buffers: list[tuple[Any, torch.dtype]], specs: list[Any]) -> Any:
     """``dumps``'s payload back: each dtype's buffer viewed once, each tensor a view of it, then the structure."""
     tensors: list[Any] = [None] * len(specs)
-    for b, (buffer, dtype) in enumerate(buffers):
+    members: list[list[int]] = [[] for _ in buffers]
+    for i, spec in enumerate(specs):
+        members[spec[0]].append(i)  # in buffer order
+    for (buffer, dtype), indices in zip(buffers, members):
         base = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype) if len(buffer) else torch.empty(0, dtype=dtype)
-        members = [i for i, spec in enumerate(specs) if spec[0] == b]  # in buffer order
-        for i, piece in zip(members, torch.split(base, [specs[i][2] for i in members])):
+        for i, piece in zip(indices, torch.split(base, [specs[i][2] for i in indices])):
             shape = specs[i][3]
             tensors[i] = piece if len(shape) == 1 else piece.view(shape)
     unpickler = pickle.Unpickler(io.BytesIO(structure))
