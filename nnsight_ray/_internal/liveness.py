@@ -158,6 +158,11 @@ def killed(state: ActorState) -> bool:
     return RAY_KILL_CAUSE in state.cause
 
 
+def orphaned(state: ActorState) -> bool:
+    """Ended because its owner did (Ray's "the actor is dead because its owner has died"): a consequence."""
+    return "owner" in state.cause.lower()
+
+
 def on_lost_node(state: ActorState, alive_nodes: set[str] | None) -> bool:
     node = state.node_id or state.record.node_id
     return alive_nodes is not None and node is not None and node not in alive_nodes
@@ -166,15 +171,18 @@ def on_lost_node(state: ActorState, alive_nodes: set[str] | None) -> bool:
 def blamed(states: list[ActorState], alive_nodes: set[str] | None = None) -> ActorState | None:
     """The dead actor the deployment's death is put on (None if all are alive).
 
-    First one whose node is gone; then the first to end of something other
-    than ``ray.kill``; then the first to end. vLLM's executor ``ray.kill``s
-    every rank once one fails, often before the GCS has found the node that
-    took the first one down, so end times alone can blame a survivor.
+    First one whose node is gone; then the first to end of a cause of its
+    own (neither ``ray.kill`` nor its owner's death); then the first
+    ``ray.kill``ed; then the first to end. vLLM's executor ``ray.kill``s every
+    rank once one fails, often before the GCS has found the node that took
+    the first one down, and a killed engine actor takes the ranks its
+    engine-core process owns with it (their end time can come first), so end
+    times alone can blame a survivor.
     """
     dead = sorted((s for s in states if s.dead), key=lambda s: s.end_time_ms)
     lost = [s for s in dead if on_lost_node(s, alive_nodes)]
-    unkilled = [s for s in dead if not killed(s)]
-    found = lost or unkilled or dead
+    own = [s for s in dead if not killed(s) and not orphaned(s)]
+    found = lost or own or [s for s in dead if killed(s)] or dead
     return found[0] if found else None
 
 
@@ -208,7 +216,7 @@ def diagnose(states: list[ActorState], alive_nodes: set[str] | None, core_proces
     and that actor died because its owner (the core, which creates the ranks) did.
     """
     first = blamed(states, alive_nodes)
-    if core_process is not None and (first is None or "owner" in first.cause.lower()):
+    if core_process is not None and (first is None or orphaned(first)):
         return engine_dead(core_process)
     return dead_message(states, alive_nodes)
 

@@ -385,6 +385,17 @@ def test_a_death_of_another_cause_is_blamed_over_earlier_ray_kills():
     assert "e.pp0.tp1" in str(core.dead) and "SIGSEGV" in str(core.dead)
 
 
+def test_a_killed_engine_actor_is_blamed_over_the_ranks_that_died_with_it():
+    """The CI finding (tp2pp2): the ranks' end times came before the killed engine actor's; a merge
+    actor's watch named rank pp0.tp0 ("its owner has died") instead of the engine actor."""
+    table = _alive_table()
+    table["R0"] = _entry("DEAD", "n1", 1000, cause="The actor is dead because its owner has died.")
+    table["E"] = _entry("DEAD", "n0", 1500, cause=KILLED_CAUSE)
+    watch, _ = _engine_watch(table)
+    message = asyncio.run(watch.death_message("rank actor e.pp0.tp0 could not hand over its saves"))
+    assert message == engine_dead(f"engine actor e.engine on node n0 (node alive) died ({KILLED_CAUSE})")
+
+
 def test_kill_only_deaths_are_held_back_for_the_grace_then_the_first_is_named():
     """Only ray.kills on live nodes: a lost node may still be found; a user's own kill is named after the grace."""
     table = _alive_table()
