@@ -37,6 +37,7 @@ it. One object saved twice is one tensor when it arrives. Everything else
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -68,13 +69,26 @@ class _Pickler(_CompactPickler):
         return index
 
 
+# A CPU storage is sent whole, its tensors as offsets into it, when they cover at least this share of it.
+FORWARD_COVERAGE = 0.5
+
+
 def _pack(tensors: list[torch.Tensor]) -> tuple[list[Any], list[tuple[int, int, int, tuple[int, ...]]]]:
-    """One host buffer per dtype (a uint8 array, for protocol 5) and, per tensor, (buffer, offset, numel, shape)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+    """Host buffers (uint8 arrays, for protocol 5) with their dtype and, per tensor, (buffer, offset, numel, shape).
+
+    Contiguous CPU tensors of one dtype that share a storage and cover most of
+    it (what ``_unpack`` made on the merge actor: views of a rank's buffer) go
+    as that storage itself, each an offset into it: nothing is concatenated.
+    Every other tensor is packed with the others of its device and dtype: one
+    concatenation (one kernel) and one copy off the device.
+    """
     buffers: list[tuple[Any, torch.dtype]] = []
     specs: list[Any] = [None] * len(tensors)
+    rest = _forward_storages(tensors, buffers, specs)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index in rest:
+        tensor = tensors[index]
+        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
     for (_, dtype), members in groups.items():
         parts = [_flat(tensors[i]) for i in members]
         flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu()  # one kernel, one copy off the device
@@ -86,6 +100,32 @@ def _pack(tensors: list[torch.Tensor]) -> tuple[list[Any], list[tuple[int, int, 
     return buffers, specs
 
 
+def _forward_storages(tensors: list[torch.Tensor], buffers: list[Any], specs: list[Any]) -> list[int]:
+    """Give tensors that can travel as offsets into their whole CPU storage a spec; return the others' indices."""
+    by_storage: dict[int, list[int]] = {}
+    rest: list[int] = []
+    for index, tensor in enumerate(tensors):
+        if tensor.device.type == "cpu" and tensor._base is not None and tensor.is_contiguous() \
+                and not tensor.is_complex():
+            by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(index)
+        else:
+            rest.append(index)
+    for members in by_storage.values():
+        first = tensors[members[0]]
+        storage = first.untyped_storage()
+        size, dtype = storage.nbytes(), first.dtype
+        covered = sum(tensors[i].numel() for i in members) * first.element_size()
+        if len(members) < 2 or size % first.element_size() or covered < FORWARD_COVERAGE * size \
+                or any(tensors[i].dtype != dtype for i in members):
+            rest.extend(members)
+            continue
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+        for i in members:
+            specs[i] = (len(buffers), tensors[i].storage_offset(), tensors[i].numel(), tuple(tensors[i].shape))
+        buffers.append((pickle.PickleBuffer(whole.numpy()), dtype))
+    return rest
+
+
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_complex():
         tensor = tensor.resolve_conj().resolve_neg()
@@ -93,14 +133,29 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack(structure: bytes, buffers: list[tuple[Any, torch.dtype]], specs: list[Any]) -> Any:
-    """``dumps``'s payload back: each dtype's buffer viewed once, each tensor a view of it, then the structure."""
+    """``dumps``'s payload back: each dtype's buffer viewed once, each tensor a view of it, then the structure.
+
+    A buffer that arrives read-only (out of band from Ray's object store) is
+    copied once, so every loaded tensor is writable and owns its memory.
+    """
     tensors: list[Any] = [None] * len(specs)
     members: list[list[int]] = [[] for _ in buffers]
     for i, spec in enumerate(specs):
-        members[spec[0]].append(i)  # in buffer order
+        members[spec[0]].append(i)
     for (buffer, dtype), indices in zip(buffers, members):
-        base = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype) if len(buffer) else torch.empty(0, dtype=dtype)
-        for i, piece in zip(indices, torch.split(base, [specs[i][2] for i in indices])):
+        if not len(buffer):
+            base = torch.empty(0, dtype=dtype)
+        else:
+            if memoryview(buffer).readonly:
+                buffer = bytearray(buffer)
+            base = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype)
+        offsets = [specs[i][1] for i in indices]
+        sizes = [specs[i][2] for i in indices]
+        if offsets == list(itertools.accumulate(sizes, initial=0))[:-1] and sum(sizes) == base.numel():
+            pieces = torch.split(base, sizes)  # packed in order: one call
+        else:
+            pieces = [base.narrow(0, offset, size) for offset, size in zip(offsets, sizes)]
+        for i, piece in zip(indices, pieces):
             shape = specs[i][3]
             tensors[i] = piece if len(shape) == 1 else piece.view(shape)
     unpickler = pickle.Unpickler(io.BytesIO(structure))
@@ -118,15 +173,21 @@ class _Payload:
         return _unpack, (self.structure, self.buffers, self.specs)
 
 
-def dumps(value: Any) -> bytes:
-    """Pickle ``value`` like nnsight's ``dumps_compact``, plain tensors packed per dtype (on the CPU)."""
+def _payload(value: Any) -> Any:
+    """``value`` as one structure plus its tensors' buffers (a ``_Payload``), or plain pickle bytes if it has none."""
     buffer = io.BytesIO()
     pickler = _Pickler(buffer, pickle.HIGHEST_PROTOCOL)
     pickler.dump(value)
     if not pickler.tensors:
         return buffer.getvalue()
     buffers, specs = _pack(pickler.tensors)
-    return pickle.dumps(_Payload(buffer.getvalue(), buffers, specs), protocol=pickle.HIGHEST_PROTOCOL)
+    return _Payload(buffer.getvalue(), buffers, specs)
+
+
+def dumps(value: Any) -> bytes:
+    """Pickle ``value`` like nnsight's ``dumps_compact``, plain tensors packed per dtype (on the CPU)."""
+    packed = _payload(value)
+    return packed if isinstance(packed, bytes) else pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class Packed:
@@ -142,10 +203,13 @@ class Packed:
         self.value = value
 
     def __reduce__(self) -> Any:
+        # The buffers are PickleBuffers: Ray (protocol 5) writes them out of band,
+        # straight into its object store, instead of into the pickle stream.
         try:
-            return pickle.loads, (dumps(self.value),)
+            packed = _payload(self.value)
         except Exception:
             return _identity, (self.value,)
+        return (pickle.loads, (packed,)) if isinstance(packed, bytes) else packed.__reduce__()
 
 
 def _identity(value: Any) -> Any:

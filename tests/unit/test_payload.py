@@ -114,3 +114,30 @@ def test_every_plain_tensor_travels_in_one_buffer_per_dtype_and_loads_as_views_o
     base = got["h"][0].untyped_storage().data_ptr()
     assert all(t.untyped_storage().data_ptr() == base for t in got["h"])  # views of one buffer
     assert len(data) < 64 * 4 * 4 + 3 * 8 + 5 * 2 + 2500
+
+
+def test_loaded_views_travel_on_as_their_buffer_without_a_copy_into_a_new_one():
+    """The merge actor's re-send: views of a rank's buffer go as that buffer, each an offset (no concatenation)."""
+    rows = [torch.full((8,), float(i), dtype=torch.bfloat16) for i in range(32)]
+    first = pickle.loads(payload.dumps({"h": rows}))
+    buffers, specs = payload._pack(first["h"])
+    assert len(buffers) == 1 and [s[1] for s in specs] == [8 * i for i in range(32)]
+    shuffled = first["h"][::-1] + [first["h"][0][2:5]]  # any order, a view within a row, one object twice
+    again = pickle.loads(payload.dumps({"h": shuffled, "same": shuffled[0]}))
+    assert [t.tolist() for t in again["h"]] == [t.tolist() for t in shuffled]
+    assert again["same"] is again["h"][0]
+    # A small part of a loaded buffer goes alone, not with the whole buffer.
+    alone = payload.dumps(pickle.loads(payload.dumps(torch.randn(1024)))[:4])
+    assert len(alone) < 4 * 4 + 300
+
+
+def test_packed_buffers_go_out_of_band_and_load_writable_from_read_only_memory():
+    """Ray pickles with protocol 5 and a buffer callback: the tensors' bytes bypass the pickle stream."""
+    value = {"h": [torch.randn(256) for _ in range(16)], "ids": torch.arange(4)}
+    out_of_band: list = []
+    data = pickle.dumps(payload.Packed(value), protocol=5, buffer_callback=out_of_band.append)
+    assert len(out_of_band) == 2 and len(data) < 2000  # float32 and int64 buffers, outside the stream
+    loaded = pickle.loads(data, buffers=[memoryview(b).toreadonly() for b in out_of_band])
+    assert all(torch.equal(a, b) for a, b in zip(loaded["h"], value["h"])) and torch.equal(loaded["ids"], value["ids"])
+    loaded["h"][0].add_(1)  # writable: copied out of the read-only buffer once
+    assert torch.equal(loaded["h"][0], value["h"][0] + 1)
