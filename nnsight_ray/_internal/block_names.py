@@ -24,6 +24,14 @@ nnsight's two memo dicts, so a rank that serves millions of requests keeps
 none of them. A block with no source in ``linecache`` gets a name never used
 twice in the process (``<nnsight-ray-block-<pid>-<n>>``). Nothing of nnsight's
 is replaced: only entries under names this module created are added or removed.
+
+A block sent by nnsight_ray's own caller (``shared_blocks``) arrives through
+``rebuild_mediator`` instead of nnsight's ``Mediator.__setstate__``: it is
+compiled under its digest name once per source (a bounded cache of compiled
+blocks), not once per request, and ``rename`` only counts the use: 256 invokes
+of one trace are one compile per rank, where nnsight's ``__setstate__``
+compiled 256 (a third of the rank's 100 ms of block deserialization per
+256-invoke trace on the H200, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import itertools
 import linecache
 import os
 import threading
+from collections import OrderedDict
 from types import CodeType
 from typing import Any, Optional
 
@@ -42,6 +51,38 @@ _PREFIX = "<edit-"
 _counter = itertools.count()
 _users: dict[str, int] = {}  # name -> blocks using it now (each `rename` is one, each `forget` ends one)
 _lock = threading.Lock()
+# name -> (compiled block, its source lines), most recently received last; bounded.
+_compiled: OrderedDict[str, tuple[CodeType, list[str]]] = OrderedDict()
+COMPILED_BLOCKS = 256
+
+
+def _digest_name(source: str) -> str:
+    return f"<nnsight-ray-block-{hashlib.sha256(source.encode()).hexdigest()[:32]}>"
+
+
+def rebuild_mediator(state: dict[str, Any]) -> Any:
+    """nnsight's ``Mediator.__setstate__`` for ``state``, with the block compiled once per source (its digest name).
+
+    What ``shared_blocks.SharedReductionMediator`` pickles to. The use of the
+    name is counted when the rank takes the block (``rename``), as for any block.
+    """
+    from nnsight.intervention.interleaver import Mediator
+
+    source, glbls, lcls = state["reduced"]
+    name = _digest_name(source)
+    with _lock:
+        hit = _compiled.pop(name, None)
+    if hit is None:
+        hit = (compile(source, name, "exec"), source.splitlines(keepends=True))
+    with _lock:
+        _compiled[name] = hit
+        while len(_compiled) > COMPILED_BLOCKS:
+            _compiled.popitem(last=False)
+    mediator = Mediator.__new__(Mediator)
+    mediator.__init__(hit[0], glbls, lcls, copy=state["copy"])
+    mediator.presaved = state["presaved"]
+    mediator._nnsight_ray_block = (name, hit[1], len(source))
+    return mediator
 
 
 def _retarget(code: CodeType, filename: str) -> CodeType:
@@ -54,13 +95,20 @@ def rename(mediator: Any) -> Optional[str]:
 
     Every name returned is one use: ``forget`` it once when the block is done.
     """
+    block = getattr(mediator, "__dict__", {}).pop("_nnsight_ray_block", None)
+    if block is not None:  # rebuilt by rebuild_mediator: compiled under its name already
+        name, lines, size = block
+        with _lock:
+            linecache.cache.setdefault(name, (size, None, lines, name))
+            _users[name] = _users.get(name, 0) + 1
+        return name
     code = getattr(mediator, "code", None)
     if not isinstance(code, CodeType) or not code.co_filename.startswith(_PREFIX):
         return None
     entry = linecache.cache.pop(code.co_filename, None)
     with _lock:
         if entry is not None:
-            new = f"<nnsight-ray-block-{hashlib.sha256(''.join(entry[2]).encode()).hexdigest()[:32]}>"
+            new = _digest_name("".join(entry[2]))
             linecache.cache.setdefault(new, (entry[0], None, entry[2], new))
         else:
             new = f"<nnsight-ray-block-{os.getpid()}-{next(_counter)}>"

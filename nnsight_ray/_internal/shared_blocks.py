@@ -15,10 +15,11 @@ is swapped for ``SharedReductionMediator``, whose state is nnsight's own
 per-attach cache of each distinct block's source and names: nnsight's
 ``reduce_block`` runs once per block (the names are the ones its ``code_reduce``
 looks up), and each invoke only filters its own scope by those names, as
-``code_reduce`` does. It pickles as a plain ``Mediator`` with nnsight's state
-(``object.__new__(Mediator)``, then nnsight's ``__setstate__``: what pickle's
-default reduction does), so any receiver reads it; the swap is undone when the
-attach ends, whether or not it succeeded. ``tests/unit/test_shared_blocks.py`` holds the state equal to
+``code_reduce`` does. It unpickles as a plain nnsight ``Mediator`` with that
+state through ``block_names.rebuild_mediator`` (nnsight's ``__setstate__``,
+but the block compiled once per source on the receiving rank, not once per
+invoke), so the receiver needs nnsight_ray, as every rank has; the swap is
+undone when the attach ends, whether or not it succeeded. ``tests/unit/test_shared_blocks.py`` holds the state equal to
 nnsight's for the same workers.
 """
 
@@ -54,7 +55,9 @@ class SharedReductionMediator(Mediator):
         return {"reduced": (source, used_globals, used_locals), "copy": self.copy, "presaved": presaved}
 
     def __reduce_ex__(self, protocol: int) -> tuple:
-        return (object.__new__, (Mediator,), self.__getstate__())
+        from .block_names import rebuild_mediator
+
+        return (rebuild_mediator, (self.__getstate__(),))
 
 
 class _AskedNames(dict):

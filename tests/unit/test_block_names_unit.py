@@ -61,3 +61,33 @@ def test_a_block_that_was_not_received_is_left_alone():
     mediator = Mediator(compile("x = 1", "user.py", "exec"), {}, {})
     assert rename(mediator) is None and mediator.code.co_filename == "user.py"
 
+
+
+def test_blocks_from_nnsight_rays_caller_compile_once_per_source_and_count_like_any_other(monkeypatch):
+    """``rebuild_mediator`` (what ``shared_blocks`` pickles to): one compile for a trace's 300 invokes."""
+    import builtins
+
+    from nnsight_ray._internal import block_names
+
+    compiled = []
+    real_compile = builtins.compile
+    monkeypatch.setattr(builtins, "compile", lambda *a, **k: compiled.append(a[1]) or real_compile(*a, **k))
+    source = SOURCE + "z = 2\n"
+    state = {"reduced": (source, {}, {"k": 1}), "copy": False, "presaved": {"k"}}
+    mediators = [block_names.rebuild_mediator(state) for _ in range(300)]
+    assert len(compiled) == 1
+    names = [rename(m) for m in mediators]
+    assert len(set(names)) == 1 and compiled == names[:1]
+    theirs = received(source)
+    assert rename(theirs) == names[0]  # the same name as nnsight's own deserialization gets
+    del compiled[1:]  # nnsight's own compile of `theirs`
+    assert type(mediators[0]) is Mediator and mediators[0].presaved == {"k"} and mediators[0].lcls["k"] == 1
+    assert "".join(linecache.cache[names[0]][2]) == source
+    for name in names + [names[0]]:
+        assert name in linecache.cache
+        forget(name)
+    assert names[0] not in linecache.cache
+    again = block_names.rebuild_mediator(state)  # still compiled: the cache outlives the uses
+    assert len(compiled) == 1 and rename(again) == names[0] and names[0] in linecache.cache
+    forget(names[0])
+    assert names[0] not in linecache.cache
