@@ -1,0 +1,42 @@
+"""The extraction writer's memory hand-back (``_internal/extract.Writer``), on CPU tensors (no engine)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from nnsight_ray._internal import extract
+
+
+def test_an_idle_writer_returns_pinned_memory_after_the_rows_are_freed(tmp_path, monkeypatch):
+    """Pinned blocks go back only once nothing holds them: the part's rows are freed before the release."""
+    releases = []
+    rows = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    alive = weakref.ref(rows)
+    monkeypatch.setattr(extract, "release_pinned_cache", lambda: releases.append(alive() is None))
+    writer = extract.Writer(0, 1, True)
+    spec = {"part": "p0", "index": 0, "dir": str(tmp_path), "locations": ["model.layers.0.output"]}
+    step = extract.StepCapture(torch.arange(6), [("r0", 0, 6, list(range(6)), spec)], None,
+                               values={"model.layers.0.output": rows})
+    del rows
+    writer.submit("capture", step)
+    del step
+    written = writer.submit("commit", ("p0", False))
+    assert written["rows"] == 6 and (tmp_path / "p0.safetensors").exists()
+    assert releases == [True]  # once, idle, with the rows already gone
+    assert writer.writing == 0 and not writer.parts
+
+
+def test_a_writer_still_holding_parts_keeps_its_pinned_cache(tmp_path, monkeypatch):
+    releases = []
+    monkeypatch.setattr(extract, "release_pinned_cache", lambda: releases.append(1))
+    writer = extract.Writer(0, 1, True)
+    for part in ("a", "b"):
+        spec = {"part": part, "index": 0, "dir": str(tmp_path), "locations": ["x.output"]}
+        writer.submit("capture", extract.StepCapture(torch.arange(2), [("r", 0, 2, [1, 2], spec)], None,
+                                                     values={"x.output": torch.ones(2, 3)}))
+    writer.submit("commit", ("a", False))
+    assert releases == []  # part b is still held
+    writer.submit("commit", ("b", False))
+    assert releases == [1]
