@@ -106,7 +106,7 @@ def _forward_storages(tensors: list[torch.Tensor], buffers: list[Any], specs: li
     rest: list[int] = []
     for index, tensor in enumerate(tensors):
         if tensor.device.type == "cpu" and tensor._base is not None and tensor.is_contiguous() \
-                and not tensor.is_complex():
+                and not tensor.is_complex() and not tensor.is_neg():  # a lazy negation is not in the bytes
             by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(index)
         else:
             rest.append(index)

@@ -126,6 +126,10 @@ def test_loaded_views_travel_on_as_their_buffer_without_a_copy_into_a_new_one():
     again = pickle.loads(payload.dumps({"h": shuffled, "same": shuffled[0]}))
     assert [t.tolist() for t in again["h"]] == [t.tolist() for t in shuffled]
     assert again["same"] is again["h"][0]
+    # A view whose sign is a lazy bit (contiguous: one element) is not its storage's bytes.
+    conjugate = torch.tensor([1 + 2j], dtype=torch.complex64).conj()
+    assert conjugate.imag.is_neg() and conjugate.imag.is_contiguous()
+    assert [t.item() for t in pickle.loads(payload.dumps([conjugate.real, conjugate.imag]))] == [1.0, -2.0]
     # A small part of a loaded buffer goes alone, not with the whole buffer.
     alone = payload.dumps(pickle.loads(payload.dumps(torch.randn(1024)))[:4])
     assert len(alone) < 4 * 4 + 300
