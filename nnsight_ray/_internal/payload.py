@@ -217,20 +217,53 @@ def _identity(value: Any) -> Any:
 
 
 @contextmanager
-def unserialized() -> Iterator[None]:
-    """Within: nnsight's ``collect_nnsight`` returns its dict instead of pickling it.
+def _collect_serializer(serialize: Any) -> Iterator[None]:
+    """Within: nnsight's ``collect_nnsight`` serializes what it collected with ``serialize``.
 
     nnsight 0.8.1 pickles at the end of ``collect_nnsight`` with
     ``dumps_compact``, a global of its runner module; the one seam is to bind
-    that name to the identity for the call. Only a rank's worker thread runs
+    that name for the call. Only a rank's worker thread runs
     ``collect_nnsight``, one call at a time, so no other caller sees the swap.
-    Can go when nnsight separates collecting from serializing.
+    A swap already in place (an outer call's) is kept. Can go when nnsight
+    separates collecting from serializing.
     """
+    from nnsight.modeling.vllm.collect import dumps_compact as nnsights
     from nnsight.modeling.vllm.model_runners import GPUModelRunner as runner_module
 
     original = runner_module.dumps_compact
-    runner_module.dumps_compact = _identity
+    if original is not nnsights:  # an outer call chose already
+        yield
+        return
+    runner_module.dumps_compact = serialize
     try:
         yield
     finally:
         runner_module.dumps_compact = original
+
+
+def unserialized() -> Any:
+    """Within: nnsight's ``collect_nnsight`` returns its dict instead of pickling it (a rank's stash)."""
+    return _collect_serializer(_identity)
+
+
+def packed() -> Any:
+    """Within: nnsight's ``collect_nnsight`` pickles with ``dumps`` (one buffer per dtype) instead of
+    ``dumps_compact`` (``torch.save`` per tensor); the bytes load with plain ``pickle.loads``."""
+    return _collect_serializer(dumps)
+
+
+def collect_serializer() -> Any:
+    """What ``collect_nnsight`` serializes with now (nnsight's ``dumps_compact`` unless swapped)."""
+    from nnsight.modeling.vllm.model_runners import GPUModelRunner as runner_module
+
+    return runner_module.dumps_compact
+
+
+class PackedCollectRunnerMixin:
+    """Runner mixin: what a runner's ``collect_nnsight`` returns is packed (``packed``), unless an outer call
+    chose otherwise (a rank's stash keeps the dict: ``unserialized``). LocalVLLM's engine and nnsight's own
+    driver code read it with ``pickle.loads``, as they read nnsight's bytes."""
+
+    def collect_nnsight(self, *args: Any, **kwargs: Any) -> Any:
+        with packed():
+            return super().collect_nnsight(*args, **kwargs)  # type: ignore[misc]

@@ -5,6 +5,8 @@ composed the same way: each mixin wraps nnsight's ``NNsightGPUModelRunner``
 methods and calls ``super()``; ``StageForwardMixin`` (not here) sits below
 nnsight's runner, around vLLM's forward.
 
+- ``PackedCollectRunnerMixin``: collected values are pickled one buffer per dtype, not ``torch.save``
+  per tensor (``payload``); first, so every collect below it, the pipeline stage's included, packs.
 - ``StageRunnerMixin``: pipeline stages (``pipeline``); inert at PP=1.
 - ``BlockNamesRunnerMixin``: a unique source name per received block (``block_names``).
 - ``SnapshotRunnerMixin``: saved values are snapshots, not views a later kernel overwrites (``snapshot``).
@@ -20,8 +22,9 @@ from .block_names import BlockNamesRunnerMixin
 from .envoy_refs import EnvoyRefsRunnerMixin
 from .extract import ExtractRunnerMixin
 from .graphs import GraphStepsRunnerMixin
+from .payload import PackedCollectRunnerMixin
 from .pipeline import StageRunnerMixin
 from .snapshot import SnapshotRunnerMixin
 
-RUNNER_MIXINS = (StageRunnerMixin, BlockNamesRunnerMixin, SnapshotRunnerMixin, EnvoyRefsRunnerMixin,
+RUNNER_MIXINS = (PackedCollectRunnerMixin, StageRunnerMixin, BlockNamesRunnerMixin, SnapshotRunnerMixin, EnvoyRefsRunnerMixin,
                  ExtractRunnerMixin, GraphStepsRunnerMixin)

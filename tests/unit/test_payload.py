@@ -145,3 +145,22 @@ def test_packed_buffers_go_out_of_band_and_load_writable_from_read_only_memory()
     assert all(torch.equal(a, b) for a, b in zip(loaded["h"], value["h"])) and torch.equal(loaded["ids"], value["ids"])
     loaded["h"][0].add_(1)  # writable: copied out of the read-only buffer once
     assert torch.equal(loaded["h"][0], value["h"][0] + 1)
+
+
+def test_packed_collect_serializes_with_dumps_and_an_outer_choice_wins():
+    """LocalVLLM's workers pack what nnsight collects; a rank's stash (unserialized, outer) keeps the dict."""
+    from nnsight.modeling.vllm.model_runners import GPUModelRunner as runner_module
+
+    original = runner_module.dumps_compact
+    value = {"r": {"saves": {"h": [torch.ones(3), torch.zeros(2)]}}}
+    with payload.packed():
+        assert runner_module.dumps_compact is payload.dumps
+        data = runner_module.dumps_compact(value)
+        with payload.unserialized():  # inner: the outer choice stands
+            assert runner_module.dumps_compact is payload.dumps
+    assert runner_module.dumps_compact is original
+    assert torch.equal(pickle.loads(data)["r"]["saves"]["h"][0], torch.ones(3))
+    with payload.unserialized():
+        with payload.packed():
+            assert runner_module.dumps_compact(value) is value
+    assert runner_module.dumps_compact is original and payload.collect_serializer() is original

@@ -114,8 +114,9 @@ class StageRunnerMixin:
     ) -> Optional[bytes]:
         if self.nnsight_stage is None:
             return super().collect_nnsight(request_ids, finished_request_ids, outputs)  # type: ignore[misc]
-        from nnsight.modeling.vllm.collect import dumps_compact
         from vllm.distributed.parallel_state import get_tp_group
+
+        from ..payload import collect_serializer
 
         stage = self.nnsight_stage
         requests = self.nnsight_requests  # type: ignore[attr-defined]
@@ -154,7 +155,8 @@ class StageRunnerMixin:
             return payload
         # Every stage reports its trace's values (nnsight: global rank 0 only),
         # with any name that holds a ghost left to the stage that has it.
-        # nnsight pickles the dict, except inside `payload.unserialized()`.
+        # nnsight pickles the dict (with what `payload.collect_serializer()` names), except inside
+        # `payload.unserialized()`.
         serialized = isinstance(payload, bytes)
         collected = (pickle.loads(payload) if serialized else payload) or {}
         for request, (engine_id, index) in tracked:
@@ -168,7 +170,7 @@ class StageRunnerMixin:
             primary = entry["sequences"].get(0)
             if primary is not None:
                 entry["saves"], entry["registered"] = primary["saves"], primary["registered"]
-        return dumps_compact(collected) if serialized else collected
+        return collect_serializer()(collected) if serialized else collected
 
 
 class StageForwardMixin:
