@@ -202,14 +202,19 @@ class Packed:
     def __init__(self, value: Any) -> None:
         self.value = value
 
-    def __reduce__(self) -> Any:
+    def __reduce_ex__(self, protocol: int) -> Any:
         # The buffers are PickleBuffers: Ray (protocol 5) writes them out of band,
         # straight into its object store, instead of into the pickle stream.
+        # Older protocols cannot hold a PickleBuffer: there the payload goes as bytes.
         try:
             packed = _payload(self.value)
         except Exception:
             return _identity, (self.value,)
-        return (pickle.loads, (packed,)) if isinstance(packed, bytes) else packed.__reduce__()
+        if isinstance(packed, bytes):
+            return pickle.loads, (packed,)
+        if protocol < 5:
+            return pickle.loads, (pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL),)
+        return packed.__reduce__()
 
 
 def _identity(value: Any) -> Any:

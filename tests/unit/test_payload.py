@@ -145,6 +145,8 @@ def test_packed_buffers_go_out_of_band_and_load_writable_from_read_only_memory()
     assert all(torch.equal(a, b) for a, b in zip(loaded["h"], value["h"])) and torch.equal(loaded["ids"], value["ids"])
     loaded["h"][0].add_(1)  # writable: copied out of the read-only buffer once
     assert torch.equal(loaded["h"][0], value["h"][0] + 1)
+    old = pickle.loads(pickle.dumps(payload.Packed(value), protocol=4))  # no PickleBuffer before protocol 5
+    assert torch.equal(old["ids"], value["ids"]) and torch.equal(old["h"][3], value["h"][3])
 
 
 def test_packed_collect_serializes_with_dumps_and_an_outer_choice_wins():
