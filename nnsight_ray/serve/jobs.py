@@ -291,9 +291,14 @@ class JobBook:
         ran: dict[str, int] = {}
         for job in self.jobs.values():
             ran[job.replica] = ran.get(job.replica, 0) + 1
+        running: dict[str, int] = {}  # jobs not yet final, by the replica running them
+        for job in self.jobs.values():
+            if job.status not in FINAL:
+                running[job.replica] = running.get(job.replica, 0) + 1
         crossed = sum(1 for j in self.jobs.values() if j.subscriber is not None and j.subscriber != j.replica)
         return {"jobs": by_status, "sessions": len(self.sessions), "stored_bytes": self.stored_bytes(),
-                "downloads": len(self.downloads), "ran_on": ran, "crossed_replicas": crossed}
+                "downloads": len(self.downloads), "ran_on": ran, "running_on": running,
+                "crossed_replicas": crossed}
 
     def job(self, job_id: str) -> dict[str, Any] | None:
         job = self.jobs.get(job_id)

@@ -502,9 +502,20 @@ def test_a_killed_rank_fails_its_requests_and_serve_replaces_the_replica(served,
             except Exception as error:  # noqa: BLE001 - recorded and asserted
                 (remote_errors if remote else errors).append((time.monotonic(), str(error)))
 
+    def running_on_victim() -> int:  # remote=True jobs not yet final on the victim's replica (its engine's name)
+        from ray import serve
+
+        stats = serve.get_deployment_handle("NNsightJobs", app_name=APP).call.remote("stats").result(timeout_s=30)
+        return stats["running_on"].get(victim, 0)
+
     with ThreadPoolExecutor(6) as pool:  # four serve= clients, two remote=True (test_remote.py) clients
         loaders = [pool.submit(load) for _ in range(4)] + [pool.submit(load, True) for _ in range(2)]
         time.sleep(3.0)
+        # Serve routes each job to either replica: kill while one runs on the victim (else no remote
+        # job need ever meet the dead rank; this was a flaky failure).
+        deadline = time.monotonic() + 30
+        while not running_on_victim() and time.monotonic() < deadline:
+            time.sleep(0.05)
         killed_at = time.monotonic()
         ray.kill(ray.get_actor(rank, namespace="nnsight_ray"))
         time.sleep(8.0)

@@ -52,6 +52,7 @@ def test_a_blocking_job_moves_forward_only_and_its_small_result_rides_the_socket
     session = book.open_session("r1")
     job = book.accept("k", session, "r2")
     assert job["status"] == "RECEIVED"
+    assert book.stats()["running_on"] == {"r2": 1}  # not final: counted where it runs
     assert book.update(job["id"], "RUNNING", "running")
     assert not book.update(job["id"], "QUEUED")  # never backwards
     assert book.complete(job["id"], b"x" * 10)
@@ -62,6 +63,7 @@ def test_a_blocking_job_moves_forward_only_and_its_small_result_rides_the_socket
     done = ResponseModel.unpickle(sent[1][1])
     assert done.status.value == "COMPLETED" and done.data == b"x" * 10
     assert book.stored_bytes() == 0 and book.job(job["id"])["subscriber"] == "r1"
+    assert book.stats()["running_on"] == {} and book.stats()["ran_on"] == {"r2": 1}
     assert frames(book, session) == []
 
 
