@@ -60,6 +60,8 @@ KEY = "nnsight_ray_extract"
 # Parts not committed within this many seconds are dropped (the driver that owned them is gone).
 PART_TTL_S = float(os.environ.get("NNSIGHT_RAY_EXTRACT_TTL_S", "900"))
 WRITER_THREADS = int(os.environ.get("NNSIGHT_RAY_EXTRACT_WRITERS", "4"))
+# Cached pinned blocks go back once the writer has had nothing to do for this long (0: at once).
+PINNED_IDLE_S = float(os.environ.get("NNSIGHT_RAY_EXTRACT_PINNED_IDLE_S", "5"))
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -97,9 +99,11 @@ def release_pinned_cache() -> None:
     Captured rows are copied into pinned blocks from PyTorch's caching host
     allocator, which keeps every freed block (sizes rounded up to a power of
     two) for reuse: on the H200 the writing rank's RSS grew 7.1 -> 9.5 GB over
-    4 runs with every prompt in flight (docs/performance.md). Called when the
-    writer goes idle (nothing held, nothing being written), since returning
-    pinned memory waits for the device.
+    4 runs with every prompt in flight (docs/performance.md). Called once the
+    writer has been idle (nothing held, nothing being written) for
+    ``PINNED_IDLE_S``: returning pinned memory waits for the device, and
+    pinning it again costs more (page-locking every page, on the thread that
+    runs the forward), so work that goes on keeps its blocks.
     """
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.accelerator.empty_host_cache()
@@ -205,6 +209,8 @@ class Writer:
         self.parts: dict[str, Part] = {}
         self.writing = 0  # parts handed to the pool and not yet written
         self.writing_lock = threading.Lock()
+        self.filed = 0  # captures filed so far: an idle release checks that none came since it was planned
+        self.idle_after_s = PINNED_IDLE_S
         # Files are written by a pool: one thread's write (and fsync) is a fraction of what a disk takes
         # (measured on the GPU host: 1.1 GiB/s for one thread with fsync, 1.8 for four; 3.7 and 14 without).
         self.pool = ThreadPoolExecutor(WRITER_THREADS, thread_name_prefix="nnsight-ray-extract-write")
@@ -219,6 +225,7 @@ class Writer:
             try:
                 if kind == "capture":
                     self._file(item)
+                    self.filed += 1
                 elif kind == "discard":
                     self.parts.pop(item, None)
                 else:  # commit: the part is complete now (FIFO); its file is written by the pool
@@ -254,8 +261,26 @@ class Writer:
                 idle = self.writing == 0 and not self.parts and self.queue.empty()
         release_freed_memory()  # what the written parts freed
         if idle:
-            release_pinned_cache()
+            self._release_when_still_idle(self.filed)
         reply.set_result(written)
+
+    def _idle(self) -> bool:
+        with self.writing_lock:
+            return self.writing == 0 and not self.parts and self.queue.empty()
+
+    def _release_when_still_idle(self, filed: int) -> None:
+        """Return the pinned cache if no capture is filed and nothing held for ``idle_after_s`` from now."""
+        if self.idle_after_s <= 0:
+            release_pinned_cache()
+            return
+
+        def check() -> None:
+            if self.filed == filed and self._idle():
+                release_pinned_cache()
+
+        timer = threading.Timer(self.idle_after_s, check)
+        timer.daemon = True
+        timer.start()
 
     def _file(self, capture: StepCapture) -> None:
         if capture.event is not None:

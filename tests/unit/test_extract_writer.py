@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -16,6 +17,7 @@ def test_an_idle_writer_returns_pinned_memory_after_the_rows_are_freed(tmp_path,
     alive = weakref.ref(rows)
     monkeypatch.setattr(extract, "release_pinned_cache", lambda: releases.append(alive() is None))
     writer = extract.Writer(0, 1, True)
+    writer.idle_after_s = 0  # at once
     spec = {"part": "p0", "index": 0, "dir": str(tmp_path), "locations": ["model.layers.0.output"]}
     step = extract.StepCapture(torch.arange(6), [("r0", 0, 6, list(range(6)), spec)], None,
                                values={"model.layers.0.output": rows})
@@ -32,6 +34,7 @@ def test_a_writer_still_holding_parts_keeps_its_pinned_cache(tmp_path, monkeypat
     releases = []
     monkeypatch.setattr(extract, "release_pinned_cache", lambda: releases.append(1))
     writer = extract.Writer(0, 1, True)
+    writer.idle_after_s = 0
     for part in ("a", "b"):
         spec = {"part": part, "index": 0, "dir": str(tmp_path), "locations": ["x.output"]}
         writer.submit("capture", extract.StepCapture(torch.arange(2), [("r", 0, 2, [1, 2], spec)], None,
@@ -40,3 +43,26 @@ def test_a_writer_still_holding_parts_keeps_its_pinned_cache(tmp_path, monkeypat
     assert releases == []  # part b is still held
     writer.submit("commit", ("b", False))
     assert releases == [1]
+
+
+def _capture(writer, part, tmp_path):
+    spec = {"part": part, "index": 0, "dir": str(tmp_path), "locations": ["x.output"]}
+    writer.submit("capture", extract.StepCapture(torch.arange(2), [("r", 0, 2, [1, 2], spec)], None,
+                                                 values={"x.output": torch.ones(2, 3)}))
+
+
+def test_the_pinned_cache_goes_back_only_after_the_writer_stays_idle(tmp_path, monkeypatch):
+    """Work that goes on (the next run's captures) keeps its pinned blocks; a writer left idle returns them."""
+    releases = []
+    monkeypatch.setattr(extract, "release_pinned_cache", lambda: releases.append(time.monotonic()))
+    writer = extract.Writer(0, 1, True)
+    writer.idle_after_s = 0.3
+    _capture(writer, "a", tmp_path)
+    writer.submit("commit", ("a", False))
+    _capture(writer, "b", tmp_path)  # the next part arrives within the idle time: no release for "a"
+    time.sleep(0.5)
+    assert releases == []
+    done = time.monotonic()
+    writer.submit("commit", ("b", False))
+    time.sleep(0.6)
+    assert len(releases) == 1 and releases[0] - done >= 0.25
