@@ -168,8 +168,49 @@ class EngineCore:
         (every step's cumulative output) this loop would build and drop one
         output per request per step. Streams (``stream``) keep every step.
         """
-        for index, (prompt, param) in enumerate(zip(prompts, params)):
-            self._start(self._track(group, index, param), prompt, final_only(param), loras[index] if loras else None)
+        reports = [self._track(group, index, param) for index, param in enumerate(params[:len(prompts)])]
+        if len(reports) < 2:
+            for report, prompt, param in zip(reports, prompts, params):
+                self._start(report, prompt, final_only(param), loras[0] if loras else None)
+            return
+        task = asyncio.ensure_future(self._start_rendered(reports, prompts, params, loras))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _start_rendered(self, reports: list[Report], prompts: list, params: list, loras: list | None) -> None:
+        """Render every prompt of one call first (vLLM's renderer, in one batch, as ``vllm.LLM`` does),
+        then add them all: they reach the engine core together and start in the same step.
+
+        Added one by one, each raw prompt is tokenized on its own in a thread while
+        the core already steps on those that arrived, so a trace of 256 invokes
+        started in waves over several (mixed, eager) steps, and the blocks of one
+        wave sat parked while the others ran. A batch that does not render
+        (a prompt vLLM refuses) goes request by request, so only its bad prompt fails.
+        """
+        started = 0
+        try:
+            rendered = await self._render(prompts)
+            for index, (report, param) in enumerate(zip(reports, params)):
+                prompt = rendered[index] if rendered is not None else prompts[index]
+                self._start(report, prompt, final_only(param), loras[index] if loras else None)
+                started += 1
+        finally:
+            for report in reports[started:]:  # cancelled (the engine died) before they started
+                self.finish(report, None, self.dead or RuntimeError(
+                    f"request {report.request_id} was closed before it started"))
+
+    async def _render(self, prompts: list) -> list | None:
+        """``prompts`` as vLLM's engine inputs (``Renderer.render_cmpl``, the defaults a raw prompt gets), or None."""
+        try:
+            from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+            renderer = self.llm.renderer
+            parsed = [parse_model_prompt(self.llm.model_config, prompt) for prompt in prompts]
+            return list(await renderer.render_cmpl_async(parsed, renderer.default_cmpl_tok_params))
+        except Exception:  # noqa: BLE001 - each request renders, and fails, on its own
+            logger.debug("rendering %d prompts together failed; adding them one by one", len(prompts),
+                         exc_info=True)
+            return None
 
     def _track(self, group: str, index: int, param: Any = None) -> Report:
         report = Report(group, index, f"{group}-{index}", carries_block=carries_block(param))

@@ -506,3 +506,91 @@ def test_a_merge_book_hands_its_death_message_to_who_waits_for_it():
         return await asyncio.wait_for(waiting, 1), await book.death(0)
 
     assert asyncio.run(scenario()) == ("the engine is dead: rank pp1.tp0 died",) * 2
+
+
+class RenderingLLM(FakeLLM):
+    """A fake ``AsyncLLM`` with vLLM's renderer surface: prompts render to ``{"type": "token", ...}``."""
+
+    def __init__(self, fail: bool = False, hold: asyncio.Event | None = None) -> None:
+        super().__init__()
+        self.model_config = SimpleNamespace(is_encoder_decoder=False)
+        self.events: list[tuple] = []
+        llm = self
+
+        class Renderer:
+            default_cmpl_tok_params = "defaults"
+
+            async def render_cmpl_async(self, parsed, tok_params):
+                llm.events.append(("render", [p["prompt"] for p in parsed], tok_params))
+                if hold is not None:
+                    await hold.wait()
+                if fail:
+                    raise ValueError("a prompt vLLM refuses")
+                return [{"type": "token", "prompt": p["prompt"], "prompt_token_ids": [len(p["prompt"])]}
+                        for p in parsed]
+
+        self.renderer = Renderer()
+
+    async def generate(self, prompt, param, request_id, lora_request=None):
+        self.events.append(("add", request_id, prompt))
+        text = prompt["prompt"] if isinstance(prompt, dict) else prompt
+        text = "ok" if text.startswith("ok") else text  # "okay", "ok!": finish like "ok"
+        async for output in super().generate(text, param, request_id, lora_request):
+            yield output
+
+
+def _rendering_harness(llm: RenderingLLM) -> Harness:
+    h = Harness()
+    h.llm = llm
+    h.core = EngineCore(llm, h.reports.extend, lambda: asyncio.sleep(0, "dead"), on_dead=h.told.append)
+    return h
+
+
+def test_one_calls_prompts_render_together_then_start_together():
+    """Every prompt of a call is rendered in one batch (vLLM's renderer, its defaults) before any is added,
+    so they reach the engine core together; each request gets its own rendered input."""
+    async def scenario():
+        h = _rendering_harness(RenderingLLM())
+        h.core.submit("g", ["ok", "okay", "ok!"], [None] * 3)
+        await _settle()
+        return h
+
+    h = asyncio.run(scenario())
+    kinds = [e[0] for e in h.llm.events]
+    assert kinds == ["render", "add", "add", "add"]
+    assert h.llm.events[0][1:] == (["ok", "okay", "ok!"], "defaults")
+    added = {e[1]: e[2] for e in h.llm.events[1:]}
+    assert added == {f"g-{i}": {"type": "token", "prompt": p, "prompt_token_ids": [len(p)]}
+                     for i, p in enumerate(["ok", "okay", "ok!"])}
+    assert all(r.error is None and r.output.finished for r in h.by_id().values())
+
+
+def test_a_batch_that_does_not_render_goes_request_by_request():
+    """One refused prompt fails only its own request: the others are added raw, as before."""
+    async def scenario():
+        h = _rendering_harness(RenderingLLM(fail=True))
+        h.core.submit("g", ["ok", "bad", "ok"], [BLOCK] * 3)
+        await _settle(40)
+        return h
+
+    h = asyncio.run(scenario())
+    assert [e[2] for e in h.llm.events if e[0] == "add"] == ["ok", "bad", "ok"]  # raw prompts
+    got = h.by_id()
+    assert got["g-1"].error is not None and "prompt must be a string" in str(got["g-1"].error)
+    assert got["g-0"].error is None and got["g-2"].error is None
+
+
+def test_the_engine_dying_while_a_batch_renders_reports_each_request_once():
+    async def scenario():
+        hold = asyncio.Event()
+        h = _rendering_harness(RenderingLLM(hold=hold))
+        h.core.submit("g", ["ok", "ok"], [None] * 2)
+        await _settle()
+        await h.core.fail(EngineDeadError("the engine is dead: rank pp0.tp0 died"))
+        await _settle()
+        return h
+
+    h = asyncio.run(scenario())
+    got = h.by_id()  # asserts nothing was reported twice
+    assert sorted(got) == ["g-0", "g-1"] and all("rank pp0.tp0" in str(r.error) for r in got.values())
+    assert not [e for e in h.llm.events if e[0] == "add"]
