@@ -500,6 +500,7 @@ def spy(bench: Bench, args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for workload in [w for w in args.spy_workloads.split(",") if w in bench.workloads()]:
         run = getattr(bench, "run_" + workload.replace("-", "_"))
+        before = getattr(bench, "before_" + workload.replace("-", "_"), lambda: None)
         procs = engine_processes()
         spies = []
         for pid, name in procs.items():
@@ -510,6 +511,7 @@ def spy(bench: Bench, args: argparse.Namespace) -> None:
         time.sleep(1.0)  # py-spy attaches
         runs, until = [], time.perf_counter() + args.spy - 2.0
         while time.perf_counter() < until:
+            before()  # as the measured runs (shards: an empty folder, not renames over the last run's files)
             began = time.perf_counter()
             run()
             runs.append(time.perf_counter() - began)
