@@ -258,15 +258,19 @@ class Writer:
             del part  # this part's rows are free from here
             with self.writing_lock:
                 self.writing -= 1
-                idle = self.writing == 0 and not self.parts and self.queue.empty()
+                idle = self._holds_nothing()
         release_freed_memory()  # what the written parts freed
         if idle:
             self._release_when_still_idle(self.filed)
         reply.set_result(written)
 
+    def _holds_nothing(self) -> bool:
+        """Nothing being written, held or queued (under ``writing_lock``)."""
+        return self.writing == 0 and not self.parts and self.queue.empty()
+
     def _idle(self) -> bool:
         with self.writing_lock:
-            return self.writing == 0 and not self.parts and self.queue.empty()
+            return self._holds_nothing()
 
     def _release_when_still_idle(self, filed: int) -> None:
         """Return the pinned cache if no capture is filed and nothing held for ``idle_after_s`` from now."""

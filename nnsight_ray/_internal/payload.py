@@ -184,10 +184,14 @@ def _payload(value: Any) -> Any:
     return _Payload(buffer.getvalue(), buffers, specs)
 
 
+def _bytes(packed: Any) -> bytes:
+    """A ``_payload`` result as one bytes object (its buffers in band)."""
+    return packed if isinstance(packed, bytes) else pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def dumps(value: Any) -> bytes:
     """Pickle ``value`` like nnsight's ``dumps_compact``, plain tensors packed per dtype (on the CPU)."""
-    packed = _payload(value)
-    return packed if isinstance(packed, bytes) else pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
+    return _bytes(_payload(value))
 
 
 class Packed:
@@ -210,10 +214,8 @@ class Packed:
             packed = _payload(self.value)
         except Exception:
             return _identity, (self.value,)
-        if isinstance(packed, bytes):
-            return pickle.loads, (packed,)
-        if protocol < 5:
-            return pickle.loads, (pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL),)
+        if isinstance(packed, bytes) or protocol < 5:
+            return pickle.loads, (_bytes(packed),)
         return packed.__reduce__()
 
 

@@ -289,10 +289,9 @@ class JobBook:
         for job in self.jobs.values():
             by_status[job.status] = by_status.get(job.status, 0) + 1
         ran: dict[str, int] = {}
-        for job in self.jobs.values():
-            ran[job.replica] = ran.get(job.replica, 0) + 1
         running: dict[str, int] = {}  # jobs not yet final, by the replica running them
         for job in self.jobs.values():
+            ran[job.replica] = ran.get(job.replica, 0) + 1
             if job.status not in FINAL:
                 running[job.replica] = running.get(job.replica, 0) + 1
         crossed = sum(1 for j in self.jobs.values() if j.subscriber is not None and j.subscriber != j.replica)
