@@ -82,22 +82,62 @@ def _pack(tensors: list[torch.Tensor]) -> tuple[list[Any], list[tuple[int, int, 
     Every other tensor is packed with the others of its device and dtype: one
     concatenation (one kernel) and one copy off the device.
     """
-    buffers: list[tuple[Any, torch.dtype]] = []
-    specs: list[Any] = [None] * len(tensors)
-    rest = _forward_storages(tensors, buffers, specs)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for index in rest:
-        tensor = tensors[index]
-        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+    return _pack_many([tensors])[0]
+
+
+# One concatenation on a device holds at most this many bytes (a copy of the saves it packs).
+PACK_CHUNK_BYTES = 256 << 20
+
+
+def _pack_many(lists: list[list[torch.Tensor]]) -> list[tuple[list[Any], list[Any]]]:
+    """``_pack`` of several payloads' tensors, the device copies shared: per device and dtype, one
+    concatenation and one copy off the device for all of them (in chunks of ``PACK_CHUNK_BYTES``), not
+    one per payload. Each payload's buffers are its own slices of the shared host copy."""
+    results: list[tuple[list[Any], list[Any]]] = []
+    # (device, dtype) -> [(payload, tensor index, flat part)], in payload order
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, int, torch.Tensor]]] = {}
+    for which, tensors in enumerate(lists):
+        buffers: list[tuple[Any, torch.dtype]] = []
+        specs: list[Any] = [None] * len(tensors)
+        for index in _forward_storages(tensors, buffers, specs):
+            tensor = tensors[index]
+            groups.setdefault((tensor.device, tensor.dtype), []).append((which, index, _flat(tensor)))
+        results.append((buffers, specs))
     for (_, dtype), members in groups.items():
-        parts = [_flat(tensors[i]) for i in members]
-        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu()  # one kernel, one copy off the device
-        offset = 0
-        for i, part in zip(members, parts):
-            specs[i] = (len(buffers), offset, part.numel(), tuple(tensors[i].shape))
-            offset += part.numel()
-        buffers.append((pickle.PickleBuffer(flat.view(torch.uint8).numpy()) if flat.numel() else b"", dtype))
-    return buffers, specs
+        for chunk in _chunks(members):
+            parts = [part for _, _, part in chunk]
+            flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu()  # one kernel, one copy off the device
+            host = flat.view(torch.uint8).numpy() if flat.numel() else None
+            size = flat.element_size()
+            runs: dict[int, list[tuple[int, torch.Tensor]]] = {}  # one buffer per payload: its members here
+            for which, index, part in chunk:
+                runs.setdefault(which, []).append((index, part))
+            first = 0
+            for which, run in runs.items():
+                buffers, specs = results[which]
+                offset = 0
+                for index, part in run:
+                    specs[index] = (len(buffers), offset, part.numel(), tuple(lists[which][index].shape))
+                    offset += part.numel()
+                buffers.append((pickle.PickleBuffer(host[first * size:(first + offset) * size]) if offset else b"",
+                                dtype))
+                first += offset
+    return results
+
+
+def _chunks(members: list[tuple[int, int, torch.Tensor]]) -> Iterator[list[tuple[int, int, torch.Tensor]]]:
+    """``members`` in consecutive runs of at most ``PACK_CHUNK_BYTES`` (a larger tensor alone)."""
+    chunk: list[tuple[int, int, torch.Tensor]] = []
+    size = 0
+    for member in members:
+        nbytes = member[2].numel() * member[2].element_size()
+        if chunk and size + nbytes > PACK_CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(member)
+        size += nbytes
+    if chunk:
+        yield chunk
 
 
 def _forward_storages(tensors: list[torch.Tensor], buffers: list[Any], specs: list[Any]) -> list[int]:
@@ -173,15 +213,49 @@ class _Payload:
         return _unpack, (self.structure, self.buffers, self.specs)
 
 
-def _payload(value: Any) -> Any:
-    """``value`` as one structure plus its tensors' buffers (a ``_Payload``), or plain pickle bytes if it has none."""
+def _structure(value: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """``value`` pickled with its plain tensors left out (persistent ids), and those tensors."""
     buffer = io.BytesIO()
     pickler = _Pickler(buffer, pickle.HIGHEST_PROTOCOL)
     pickler.dump(value)
-    if not pickler.tensors:
-        return buffer.getvalue()
-    buffers, specs = _pack(pickler.tensors)
-    return _Payload(buffer.getvalue(), buffers, specs)
+    return buffer.getvalue(), pickler.tensors
+
+
+def _payload(value: Any) -> Any:
+    """``value`` as one structure plus its tensors' buffers (a ``_Payload``), or plain pickle bytes if it has none."""
+    structure, tensors = _structure(value)
+    if not tensors:
+        return structure
+    buffers, specs = _pack(tensors)
+    return _Payload(structure, buffers, specs)
+
+
+def dumps_each(values: list[Any]) -> list[bytes | Exception]:
+    """``dumps`` of each value, their copies off the device shared (``_pack_many``): for many small
+    payloads (a batch of finished requests), one concatenation and one device copy per dtype instead of
+    one per payload. A value that cannot be pickled is its exception here; the others are unaffected."""
+    results: list[Any] = [None] * len(values)
+    pending: list[tuple[int, bytes, list[torch.Tensor]]] = []
+    for i, value in enumerate(values):
+        try:
+            structure, tensors = _structure(value)
+        except Exception as exception:
+            results[i] = exception
+            continue
+        if tensors:
+            pending.append((i, structure, tensors))
+        else:
+            results[i] = structure
+    try:
+        packs = _pack_many([tensors for _, _, tensors in pending])
+    except Exception:  # one payload's tensor the shared copy cannot take: each on its own, as dumps does
+        packs = None
+    for k, (i, structure, _) in enumerate(pending):
+        try:
+            results[i] = _bytes(_Payload(structure, *packs[k])) if packs is not None else dumps(values[i])
+        except Exception as exception:
+            results[i] = exception
+    return results
 
 
 def _bytes(packed: Any) -> bytes:

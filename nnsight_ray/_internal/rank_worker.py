@@ -54,14 +54,18 @@ def take_serialized(request_ids: list[str]) -> list[bytes | None]:
 
     The stash keeps each request's collected entry as it is (saved values still
     where the forward left them, on the device): pickling, and the copy off the
-    device (one per dtype per request: ``payload.dumps``), happen here, off the
-    engine's critical path, instead of inside the collective ``nnsight_ray_stash``,
-    during which vLLM's engine core runs no step.
+    device (one per dtype for all of these requests: ``payload.dumps_each``),
+    happen here, off the engine's critical path, instead of inside the
+    collective ``nnsight_ray_stash``, during which vLLM's engine core runs no step.
     """
-    from .payload import dumps
+    from .payload import dumps, dumps_each
 
-    return [serialize_entry(rid, entry, dumps) if isinstance(entry, dict) else entry
-            for rid, entry in zip(request_ids, stash_take(request_ids))]
+    entries = stash_take(request_ids)
+    batch = [i for i, entry in enumerate(entries) if isinstance(entry, dict)]
+    results = dumps_each([{request_ids[i]: entries[i]} for i in batch])
+    for i, result in zip(batch, results):
+        entries[i] = result if isinstance(result, bytes) else _failed(request_ids[i], entries[i], result, dumps)
+    return entries
 
 
 def stash_size() -> int:
@@ -79,13 +83,18 @@ def serialize_entry(request_id: str, entry: dict[str, Any], dumps: Any) -> bytes
     try:
         return dumps({request_id: entry})
     except Exception as exception:
-        culprit = _unserializable(entry, dumps)
-        message = (f"could not serialize {culprit} of request {request_id} to send it home: "
-                   f"{type(exception).__name__}: {exception}. Save tensors, numbers, strings and "
-                   "containers of them (convert other objects before .save()).")
-        failed = {"saves": {}, "registered": {}, "sequences": {},
-                  "error": {"type_name": "TypeError", "message": message, "traceback": "", "is_control_flow": False}}
-        return dumps({request_id: failed})
+        return _failed(request_id, entry, exception, dumps)
+
+
+def _failed(request_id: str, entry: dict[str, Any], exception: Exception, dumps: Any) -> bytes:
+    """The payload of a request whose entry could not be pickled: its error, naming the value and why."""
+    culprit = _unserializable(entry, dumps)
+    message = (f"could not serialize {culprit} of request {request_id} to send it home: "
+               f"{type(exception).__name__}: {exception}. Save tensors, numbers, strings and "
+               "containers of them (convert other objects before .save()).")
+    failed = {"saves": {}, "registered": {}, "sequences": {},
+              "error": {"type_name": "TypeError", "message": message, "traceback": "", "is_control_flow": False}}
+    return dumps({request_id: failed})
 
 
 def _unserializable(entry: dict[str, Any], dumps: Any) -> str:

@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 # vLLM's own engine-dead error, imported now: EngineCore imports it on first use, and a
 # first import inside a scenario would block its event loop for seconds.
 from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
@@ -381,6 +382,22 @@ def test_an_unpicklable_save_fails_only_its_request_and_names_the_value():
     assert entry["saves"] == {}
     assert entry["error"]["type_name"] == "TypeError"
     assert "saves['lock'] (lock)" in entry["error"]["message"] and "request b" in entry["error"]["message"]
+
+
+def test_a_batch_take_serializes_each_request_alone_and_an_unpicklable_one_fails_alone():
+    from nnsight_ray._internal import rank_worker
+
+    entry = lambda saves: {"saves": saves, "error": None, "registered": {}, "sequences": {}}  # noqa: E731
+    rank_worker.stash_put("t1", entry({"h": torch.ones(2)}))
+    rank_worker.stash_put("t2", entry({"lock": threading.Lock()}))
+    rank_worker.stash_put("t3", b"")  # a request that saved nothing
+    rank_worker.stash_put("t4", entry({"h": torch.zeros(3), "n": 4}))
+    taken = rank_worker.take_serialized(["t1", "t2", "t3", "t4", "gone"])
+    assert torch.equal(pickle.loads(taken[0])["t1"]["saves"]["h"], torch.ones(2))
+    assert "saves['lock'] (lock)" in pickle.loads(taken[1])["t2"]["error"]["message"]
+    assert taken[2] == b"" and taken[4] is None
+    assert pickle.loads(taken[3])["t4"]["saves"]["n"] == 4
+    assert rank_worker.stash_size() == 0
 
 
 def test_actor_state_reports_its_cause():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import pickletools
+import threading
 
 import cloudpickle
 import pytest
@@ -133,6 +134,31 @@ def test_loaded_views_travel_on_as_their_buffer_without_a_copy_into_a_new_one():
     # A small part of a loaded buffer goes alone, not with the whole buffer.
     alone = payload.dumps(pickle.loads(payload.dumps(torch.randn(1024)))[:4])
     assert len(alone) < 4 * 4 + 300
+
+
+def test_many_payloads_share_one_copy_per_dtype_and_each_loads_as_its_own_dumps(monkeypatch):
+    """A batch of finished requests: one concatenation per dtype for all of them, each payload equal to
+    its own ``dumps``; an unpicklable value fails only its own; chunks bound the shared copy."""
+    values = [{"h": [torch.full((4,), float(i * 10 + s)) for s in range(8)], "ids": torch.arange(i + 1),
+               "bf": torch.ones(3, dtype=torch.bfloat16) * i} for i in range(20)]
+    values.insert(7, {"lock": threading.Lock()})
+    values.insert(3, {"n": 3})  # no tensor at all
+    cats = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda parts, *a, **k: cats.append(len(parts)) or real_cat(parts, *a, **k))
+    results = payload.dumps_each(values)
+    assert len(cats) == 3  # float32, int64, bfloat16: once each for the 20 payloads that carry tensors
+    assert isinstance(results[8], TypeError) and pickle.loads(results[3]) == {"n": 3}
+    for value, result in zip(values, results):
+        if isinstance(result, bytes) and "h" in value:
+            got = pickle.loads(result)
+            assert [t.tolist() for t in got["h"]] == [t.tolist() for t in value["h"]]
+            assert torch.equal(got["ids"], value["ids"]) and torch.equal(got["bf"], value["bf"])
+            assert len(result) < len(payload.dumps(value)) + 64  # carries only its own tensors
+    monkeypatch.setattr(payload, "PACK_CHUNK_BYTES", 64)  # every few tensors a chunk: same values
+    chunked = payload.dumps_each(values)
+    assert [pickle.loads(r)["h"][5].tolist() for r in chunked if isinstance(r, bytes) and b"h" in r][:3] == \
+        [[5.0] * 4, [15.0] * 4, [25.0] * 4]
 
 
 def test_packed_buffers_go_out_of_band_and_load_writable_from_read_only_memory():
