@@ -20,7 +20,18 @@ state through ``block_names.rebuild_mediator`` (nnsight's ``__setstate__``,
 but the block compiled once per source on the receiving rank, not once per
 invoke), so the receiver needs nnsight_ray, as every rank has; the swap is
 undone when the attach ends, whether or not it succeeded. ``tests/unit/test_shared_blocks.py`` holds the state equal to
-nnsight's for the same workers.
+nnsight's for the same workers, but for one difference:
+
+A name the block binds before it reads it is not shipped. nnsight's
+``_referenced_names`` takes every name the block reads anywhere, with no
+notion of order, so ``h = nnsight.save([])`` followed by ``h.append(...)`` in
+a loop ships the enclosing scope's old ``h`` with every invoke: a notebook
+cell run twice sent the previous run's saved tensors 64 times (30-66 s a
+trace on the 2-core machine, docs/performance.md). The block can never see
+that value: here a name whose first mention in the block is a plain,
+unconditional top-level assignment whose right side does not mention it
+(``_bound_before_read``) is left out. Anything less certain (a conditional or
+nested binding, an augmented assignment, a read on the right side) still ships.
 """
 
 from __future__ import annotations
@@ -80,8 +91,52 @@ def _reduction(cache: dict[int, tuple[Any, str, frozenset[str]]], node: Any) -> 
     if hit is None:
         scope = _AskedNames()
         source = reduce_block(node, {}, scope)[0]
-        hit = cache[id(node)] = (node, source, frozenset(scope.asked))  # the node pins its id
+        names = frozenset(scope.asked) - _bound_before_read(source)
+        hit = cache[id(node)] = (node, source, names)  # the node pins its id
     return hit[1], hit[2]
+
+
+def _bound_before_read(source: str) -> frozenset[str]:
+    """Names the block's top level binds with a plain assignment before any statement mentions them.
+
+    Statements run in order, so such a name's value in the enclosing scope is
+    never seen by the block. Conservative: any mention (a load, a store inside
+    a compound statement, a lambda's body, the assignment's own right side)
+    before the binding keeps the name.
+    """
+    import ast
+
+    seen: set[str] = set()
+    bound: set[str] = set()
+    for statement in ast.parse(source).body:
+        targets = _plain_targets(statement.targets) if isinstance(statement, ast.Assign) else None
+        if targets is not None:
+            seen.update(node.id for node in ast.walk(statement.value) if isinstance(node, ast.Name))
+            bound.update(targets - seen)
+            seen.update(targets)
+            continue
+        seen.update(node.id for node in ast.walk(statement) if isinstance(node, ast.Name))
+    return frozenset(bound)
+
+
+def _plain_targets(targets: list[Any]) -> set[str] | None:
+    """The names an assignment's targets bind, if every target is a name or a tuple/list of names; else None."""
+    import ast
+
+    names: set[str] = set()
+    for target in targets:
+        if isinstance(target, ast.Starred):
+            target = target.value
+        if isinstance(target, ast.Name):
+            names.add(target.id)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            inner = _plain_targets(target.elts)
+            if inner is None:
+                return None
+            names |= inner
+        else:
+            return None
+    return names
 
 
 @contextmanager

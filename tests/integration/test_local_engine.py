@@ -251,6 +251,19 @@ def test_iter_logits_argmax_is_the_generated_tokens(llama):
     assert [step.argmax(dim=-1).item() for step in logits] == generated
 
 
+def test_a_name_the_block_binds_before_reading_does_not_ship_its_old_value(llama):
+    """A cell run twice: the old ``logits`` is never what the block sees, so it is not sent (it cannot be here)."""
+    import threading
+
+    logits = threading.Lock()  # what nnsight would pickle and ship with the block: it cannot be pickled
+    with llama.trace(PROMPT, temperature=0.0, max_tokens=3) as tracer:
+        logits = list().save()
+        for _ in tracer.iter[:3]:
+            logits.append(llama.logits)
+        result = tracer.result.save()
+    assert [step.argmax(dim=-1).item() for step in logits] == list(result.outputs[0].token_ids)
+
+
 def test_all_logits_argmax_is_the_generated_tokens(llama):
     plain = llama.generate(PROMPT, max_tokens=3, temperature=0.0)
     generated = list(plain[0].outputs[0].token_ids)

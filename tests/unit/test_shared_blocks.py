@@ -72,3 +72,30 @@ def test_classes_are_restored_even_when_the_attach_fails():
             assert type(mediators[0]) is not Mediator and type(mediators[2]) is Mediator
             raise RuntimeError("attach failed")
     assert all(type(m) is Mediator and "_nnsight_ray_reductions" not in m.__dict__ for m in mediators)
+
+
+@pytest.mark.parametrize("body, shipped", [
+    ("h = nnsight.save([])\nfor _ in tracer.all():\n    h.append(x)", set()),  # bound, then read: not shipped
+    ("h = h + [1]\nh.append(x)", {"h"}),  # the right side reads the old value
+    ("if x:\n    h = []\nh.append(x)", {"h"}),  # bound only sometimes
+    ("print(h)\nh = []", {"h"}),  # read first
+    ("h += [x]", {"h"}),  # an augmented assignment reads
+    ("a, (b, *h) = x\nh.append(a)", set()),  # names in nested tuple targets are bound
+    ("h[0] = x\nh = []", {"h"}),  # a subscript target reads h
+    ("f = lambda: h\nh = []\nf()", {"h"}),  # mentioned before the binding
+])
+def test_a_name_bound_before_it_is_read_does_not_ship_its_old_value(body, shipped):
+    """A notebook cell run twice: the old ``h`` (last run's saves) is never what the block sees."""
+    from nnsight.intervention.interleaver import Mediator
+
+    from nnsight_ray._internal.shared_blocks import shared_reductions
+
+    node = ast.parse("with tracer.invoke(text):\n" + "\n".join("    " + line for line in body.splitlines())).body[0]
+    code = compile(ast.Module(body=node.body, type_ignores=[]), "<block>", "exec")
+    old = [object() for _ in range(3)]
+    mediators = [Mediator(code, {"nnsight": None, "tracer": None, "print": print},
+                          {"h": old, "x": 1, "text": "t"}, node=node)]
+    with shared_reductions(mediators):
+        state = mediators[0].__getstate__()
+    assert set(state["reduced"][2]) - {"x"} == shipped
+    assert "x" in state["reduced"][2] or "x" not in body
