@@ -52,6 +52,9 @@ Workloads (``--prompts`` prompts x ``--tokens`` greedy tokens, ``ignore_eos``, n
   ``max_tokens=1``, every prompt token's output of 4 layers saved (the SAE
   workload); tokens/s are prompt tokens, MB/s the saved values' bytes. The plain
   rows run the same prompts' prefill (``max_tokens=1``): the floor.
+* ``prefill``: the extraction prompts' plain prefill (``max_tokens=1``, nothing
+  saved) on any engine: what an engine's own prefill costs, apart from extraction
+  (on the plain rows it is ``extract``);
 * ``shards`` (RayVLLM): the same extraction written the way the batch runner's
   ``output.format=activations`` writes it: the ranks keep every prompt token's
   rows and write token-major safetensors files of ``--shard-prompts`` prompts
@@ -87,7 +90,7 @@ ENGINES = ("vllm-defaults", "vllm-eager", "nnsight-eager", "nnsight-taps", "loca
 # Graph modes (issue 23): enforce_eager=False (graphs on every step no block needs) and taps (the bench's layers).
 GRAPH_ENGINES = ("local-graphs", "ray-graphs", "local-taps", "ray-taps")
 PLAIN = ("vllm-defaults", "vllm-eager")
-WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "extract", "shards")
+WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "extract", "prefill", "shards")
 
 
 def prompts(n: int) -> list[str]:
@@ -200,7 +203,7 @@ class Bench:
     def workloads(self) -> list[str]:
         wanted = [w for w in self.args.workloads.split(",") if w]
         if self.engine in PLAIN:
-            wanted = [w for w in wanted if w in ("generate", "extract")]
+            wanted = [w for w in wanted if w in ("generate", "extract", "prefill")]  # their extract is the prefill
         elif not self.engine.startswith("ray"):
             wanted = [w for w in wanted if w not in ("nonblocking", "shards")]
         skipped = {pair.split(":", 1)[1] for pair in self.args.skip.split(",") if pair.startswith(self.engine + ":")}
@@ -290,12 +293,17 @@ class Bench:
             saved += self._check_rows(tracer.collect()["h"], len(chunk), None)
         return len(self.texts) * self.args.tokens, saved
 
+    def run_prefill(self) -> tuple[int, int]:
+        texts = self.extract_texts
+        outputs = self.llm.generate(texts, self.sampling(1), use_tqdm=False) if self.llm is not None \
+            else self.entrypoint().generate(texts, self.sampling(1))
+        expect(len(outputs) == len(texts), "missing outputs")
+        return sum(len(o.prompt_token_ids) for o in outputs), 0
+
     def run_extract(self) -> tuple[int, int]:
         texts, layers = self.extract_texts, self.layers
         if self.llm is not None:
-            outputs = self.llm.generate(texts, self.sampling(1), use_tqdm=False)
-            expect(len(outputs) == len(texts), "missing outputs")
-            return sum(len(o.prompt_token_ids) for o in outputs), 0
+            return self.run_prefill()
         model, clone = self.model, self.engine == "nnsight-taps"
         l0, l1, l2, l3 = layers
         with model.trace(**params(1)) as tracer:
@@ -541,12 +549,12 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
         for workload, got in result.get("workloads", {}).items():
             # The plain rows' "extract" is the prefill of the same prompts; every workload's plain floor is
             # plain generate, except extraction, whose floor is that prefill.
-            floor_workload = "extract" if workload in ("extract", "shards") else "generate"
+            floor_workload = "extract" if workload in ("extract", "prefill", "shards") else "generate"
             ratios = {}
             for key, other, other_workload in (("vs_defaults", "vllm-defaults", floor_workload),
                                                ("vs_eager", "vllm-eager", floor_workload),
                                                ("vs_local", "local", workload)):
-                base = rate(other, other_workload)
+                base = rate(other, other_workload) or (rate(other, "prefill") if other_workload == "extract" else None)
                 if key == "vs_local":  # RayVLLM against LocalVLLM in the same mode
                     base = rate(engine.replace("ray", "local", 1), workload) if engine.startswith("ray") else None
                 ratios[key] = got["tokens_per_s"] / base if base else None
