@@ -79,6 +79,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # vLLM's V2 runner hung at start for plain vLLM on the GPU host; nnsight uses V1 (docs/gpu.md).
@@ -327,6 +328,21 @@ class Bench:
         return tokens, saved
 
 
+    def before(self, workload: str) -> Any:
+        """What runs before each run of ``workload``, untimed: the workload's own ``before_<workload>``,
+        after emptying plain vLLM's prefix cache (``--keep-prefix-cache`` keeps it)."""
+        own = getattr(self, "before_" + workload.replace("-", "_"), lambda: None)
+
+        def before() -> None:
+            # On by default in plain vLLM (nnsight engines turn it off: a cached prefix runs no hook).
+            # Every run repeats the same prompts, so without this a plain row's second run reads the
+            # last run's KV cache instead of computing its prefill: not the work the other rows do.
+            if self.llm is not None and not self.args.keep_prefix_cache:
+                expect(self.llm.reset_prefix_cache(), "the prefix cache was not emptied")
+            own()
+
+        return before
+
     def before_shards(self) -> None:
         import shutil
 
@@ -393,7 +409,7 @@ def child(args: argparse.Namespace) -> None:
     for workload in bench.workloads():
         run = getattr(bench, "run_" + workload.replace("-", "_"))
         try:
-            before = getattr(bench, "before_" + workload.replace("-", "_"), lambda: None)
+            before = bench.before(workload)
             before()
             run()  # warm-up (and the first check)
             modes_before = bench.step_modes()
@@ -508,7 +524,7 @@ def spy(bench: Bench, args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for workload in [w for w in args.spy_workloads.split(",") if w in bench.workloads()]:
         run = getattr(bench, "run_" + workload.replace("-", "_"))
-        before = getattr(bench, "before_" + workload.replace("-", "_"), lambda: None)
+        before = bench.before(workload)
         procs = engine_processes()
         spies = []
         for pid, name in procs.items():
@@ -590,6 +606,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--extract-len", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--shard-prompts", type=int, default=64, help="shards: prompts per part file")
+    parser.add_argument("--keep-prefix-cache", action="store_true",
+                        help="plain vLLM rows keep their prefix cache between runs (by default each run starts "
+                             "with it empty: every run repeats the same prompts)")
     parser.add_argument("--skip", default="", help="ENGINE:WORKLOAD,... pairs not to run (e.g. ray:extract)")
     parser.add_argument("--shards-dir", default="", help="shards: where the files go (default: the temp dir)")
     parser.add_argument("--model-dir", default=None, help="reuse a checkpoint built earlier")
@@ -633,7 +652,7 @@ def main(argv: list[str] | None = None) -> None:
                  ("workloads", "prompts", "tokens", "traces", "repeats", "extract_prompts", "extract_len",
                   "shard_prompts", "shards_dir", "skip",
                   "gpu_memory_utilization", "profile", "spy", "spy_workloads", "spy_dir", "spy_bin",
-                  "spy_top")]
+                  "spy_top")] + (["--keep-prefix-cache"] if args.keep_prefix_cache else [])
     with tempfile.TemporaryDirectory() as scratch:
         for engine in engines:
             out = Path(scratch) / f"{engine}.json"
