@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pickle
 import time
 from dataclasses import dataclass
@@ -125,6 +126,28 @@ def engine_args(spec: Any) -> tuple[dict[str, Any], list[str]]:
 # How long a dead engine's loop serves its waiters before vLLM's (blocking) shutdown.
 SHUTDOWN_AFTER_DEATH_S = 0.5
 
+# Characters of prompt text per render batch (``EngineCore._start_rendered``); 0: about one engine step's worth.
+RENDER_BATCH_CHARS = int(os.environ.get("NNSIGHT_RAY_RENDER_BATCH_CHARS", "0"))
+
+
+def render_batches(prompts: list, chars: int) -> list[range]:
+    """Consecutive runs of ``prompts`` of about ``chars`` characters each (a prompt given as token ids counts
+    as 4 a token; anything else as its ``str``), each at least one prompt: the batches a call renders in."""
+    batches, start, size = [], 0, 0
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            size += len(prompt)
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
+            size += 4 * len(prompt["prompt_token_ids"])
+        else:
+            size += len(str(prompt))
+        if size >= chars:
+            batches.append(range(start, index + 1))
+            start, size = index + 1, 0
+    if start < len(prompts):
+        batches.append(range(start, len(prompts)))
+    return batches
+
 
 @dataclass
 class _End:
@@ -178,26 +201,42 @@ class EngineCore:
         task.add_done_callback(self._tasks.discard)
 
     async def _start_rendered(self, reports: list[Report], prompts: list, params: list, loras: list | None) -> None:
-        """Render every prompt of one call first (vLLM's renderer, in one batch, as ``vllm.LLM`` does),
-        then add them all: they reach the engine core together and start in the same step.
+        """Render a call's prompts in batches (vLLM's renderer, as ``vllm.LLM`` does), adding each batch
+        as soon as it is rendered: a batch's requests reach the engine core together and start in the
+        same step, and the core steps on one batch while the next is tokenized.
 
-        Added one by one, each raw prompt is tokenized on its own in a thread while
-        the core already steps on those that arrived, so a trace of 256 invokes
+        Added one by one, each raw prompt was tokenized on its own in a thread while
+        the core already stepped on those that arrived, so a trace of 256 invokes
         started in waves over several (mixed, eager) steps, and the blocks of one
-        wave sat parked while the others ran. A batch that does not render
-        (a prompt vLLM refuses) goes request by request, so only its bad prompt fails.
+        wave sat parked while the others ran. Rendered all at once, a call of
+        2,048 prompts of 256 tokens added its first request after all were
+        tokenized: 0.56-0.85 s on the 2-core machine, 13-20 ms in batches
+        (``scripts/bench_submit.py``). A batch is about one step's worth of text
+        (``render_batches``): a call that fits in one step renders as one batch.
+        A batch that does not render (a prompt vLLM refuses) goes request by
+        request, so only its bad prompt fails.
         """
         started = 0
         try:
-            rendered = await self._render(prompts)
-            for index, (report, param) in enumerate(zip(reports, params)):
-                prompt = rendered[index] if rendered is not None else prompts[index]
-                self._start(report, prompt, final_only(param), loras[index] if loras else None)
-                started += 1
+            for batch in render_batches(prompts, self.render_batch_chars):
+                rendered = await self._render([prompts[i] for i in batch])
+                for position, index in enumerate(batch):
+                    prompt = rendered[position] if rendered is not None else prompts[index]
+                    self._start(reports[index], prompt, final_only(params[index]), loras[index] if loras else None)
+                    started += 1
         finally:
             for report in reports[started:]:  # cancelled (the engine died) before they started
                 self.finish(report, None, self.dead or RuntimeError(
                     f"request {report.request_id} was closed before it started"))
+
+    @property
+    def render_batch_chars(self) -> int:
+        """Text per render batch: about one step of the engine (4 characters a token, a typical BPE rate)."""
+        if RENDER_BATCH_CHARS > 0:
+            return RENDER_BATCH_CHARS
+        scheduler = getattr(getattr(self.llm, "vllm_config", None), "scheduler_config", None)
+        tokens = getattr(scheduler, "max_num_batched_tokens", None)
+        return 4 * tokens if isinstance(tokens, int) and tokens > 0 else 65536
 
     async def _render(self, prompts: list) -> list | None:
         """``prompts`` as vLLM's engine inputs (``Renderer.render_cmpl``, the defaults a raw prompt gets), or None."""

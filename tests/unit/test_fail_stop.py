@@ -539,10 +539,12 @@ class RenderingLLM(FakeLLM):
 
             async def render_cmpl_async(self, parsed, tok_params):
                 llm.events.append(("render", [p["prompt"] for p in parsed], tok_params))
+                await asyncio.sleep(0)  # vLLM tokenizes in a thread: the loop runs meanwhile
                 if hold is not None:
                     await hold.wait()
                 if fail:
                     raise ValueError("a prompt vLLM refuses")
+                llm.events.append(("rendered",))
                 return [{"type": "token", "prompt": p["prompt"], "prompt_token_ids": [len(p["prompt"])]}
                         for p in parsed]
 
@@ -574,11 +576,37 @@ def test_one_calls_prompts_render_together_then_start_together():
 
     h = asyncio.run(scenario())
     kinds = [e[0] for e in h.llm.events]
-    assert kinds == ["render", "add", "add", "add"]
+    assert kinds == ["render", "rendered", "add", "add", "add"]
     assert h.llm.events[0][1:] == (["ok", "okay", "ok!"], "defaults")
-    added = {e[1]: e[2] for e in h.llm.events[1:]}
+    added = {e[1]: e[2] for e in h.llm.events[2:]}
     assert added == {f"g-{i}": {"type": "token", "prompt": p, "prompt_token_ids": [len(p)]}
                      for i, p in enumerate(["ok", "okay", "ok!"])}
+    assert all(r.error is None and r.output.finished for r in h.by_id().values())
+
+
+def test_a_long_call_renders_in_batches_of_about_a_step_each_added_before_the_next_renders(monkeypatch):
+    """2,048 long prompts: the core steps on the first batch while the next is tokenized."""
+    from nnsight_ray._internal import engine
+
+    assert engine.render_batches(["a" * 10] * 5, 25) == [range(0, 3), range(3, 5)]
+    assert engine.render_batches(["a" * 100, "b"], 25) == [range(0, 1), range(1, 2)]  # a long prompt alone
+    assert engine.render_batches([{"prompt_token_ids": [1] * 5}, "x" * 5], 25) == [range(0, 2)]  # 20 + 5 chars
+    assert engine.render_batches([], 25) == []
+    monkeypatch.setattr(engine, "RENDER_BATCH_CHARS", 6)
+
+    async def scenario():
+        h = _rendering_harness(RenderingLLM())
+        h.core.submit("g", ["ok1", "ok2", "ok3", "ok4", "ok5"], [None] * 5)
+        await _settle(40)
+        return h
+
+    h = asyncio.run(scenario())
+    kinds = [e[0] for e in h.llm.events]
+    assert [e[1] for e in h.llm.events if e[0] == "render"] == [["ok1", "ok2"], ["ok3", "ok4"], ["ok5"]]
+    second = [i for i, kind in enumerate(kinds) if kind == "rendered"][1]
+    assert kinds.index("add") < second  # the first batch went in while the second was rendering
+    added = {e[1]: e[2]["prompt"] for e in h.llm.events if e[0] == "add"}
+    assert added == {f"g-{i}": f"ok{i + 1}" for i in range(5)}
     assert all(r.error is None and r.output.finished for r in h.by_id().values())
 
 
