@@ -34,7 +34,9 @@ clone). Each workload row of an nnsight_ray engine prints how its timed steps
 ran (``step_modes()``: ``graph``, ``piecewise``, ``eager_for_block``, ``eager``).
 
 Engines: ``vllm-defaults`` (plain ``vllm.LLM`` as vLLM configures it: CUDA
-graphs on a GPU), ``vllm-eager`` (plain, ``enforce_eager=True``), nnsight's own
+graphs on a GPU), ``vllm-eager`` (plain, ``enforce_eager=True``), ``vllm-mp`` and
+``vllm-ray`` (plain, defaults, but the model in a worker process of vLLM's
+multiprocessing or Ray executor, as ours is; ``vllm-ray`` is GPU only), nnsight's own
 ``VLLM`` eager (``nnsight-eager``) and with ``taps`` (``nnsight-taps``: CUDA
 graphs with nnsight's handoff recorded at the tapped layers; its saves are
 cloned, as its docs require), ``local`` (``LocalVLLM``), ``ray`` (``RayVLLM``,
@@ -90,7 +92,9 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 ENGINES = ("vllm-defaults", "vllm-eager", "nnsight-eager", "nnsight-taps", "local", "ray")  # + local-profile
 # Graph modes (issue 23): enforce_eager=False (graphs on every step no block needs) and taps (the bench's layers).
 GRAPH_ENGINES = ("local-graphs", "ray-graphs", "local-taps", "ray-taps")
-PLAIN = ("vllm-defaults", "vllm-eager")
+# Plain vLLM, and plain vLLM with its step handed to a worker process as ours is (control rows: what the
+# hand-off between engine core and worker costs without nnsight): vLLM's multiprocessing and Ray executors.
+PLAIN = ("vllm-defaults", "vllm-eager", "vllm-mp", "vllm-ray")
 WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "extract", "prefill", "shards")
 
 
@@ -158,7 +162,9 @@ class Bench:
         if self.engine in PLAIN:
             from vllm import LLM
 
-            self.llm = LLM(path, **kwargs, **({"enforce_eager": True} if self.engine == "vllm-eager" else {}))
+            extra = {"vllm-eager": {"enforce_eager": True}, "vllm-mp": {"distributed_executor_backend": "mp"},
+                     "vllm-ray": {"distributed_executor_backend": "ray"}}.get(self.engine, {})
+            self.llm = LLM(path, **kwargs, **extra)
         elif self.engine in ("nnsight-eager", "nnsight-taps"):
             from nnsight.modeling.vllm import VLLM
 
@@ -179,7 +185,7 @@ class Bench:
             self.model = RayVLLM(path, name=f"bench-{os.getpid()}", **kwargs, **self.graph_kwargs())
             print(f"[ray] {self.model.resolved_config()['log']}", flush=True)
         else:
-            raise SystemExit(f"unknown engine {self.engine!r}: one of {ENGINES + GRAPH_ENGINES}")
+            raise SystemExit(f"unknown engine {self.engine!r}: one of {tuple(dict.fromkeys(ENGINES + PLAIN + GRAPH_ENGINES))}")
         return time.perf_counter() - began
 
     def graph_kwargs(self) -> dict:
