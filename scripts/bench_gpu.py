@@ -185,7 +185,8 @@ class Bench:
             self.model = RayVLLM(path, name=f"bench-{os.getpid()}", **kwargs, **self.graph_kwargs())
             print(f"[ray] {self.model.resolved_config()['log']}", flush=True)
         else:
-            raise SystemExit(f"unknown engine {self.engine!r}: one of {tuple(dict.fromkeys(ENGINES + PLAIN + GRAPH_ENGINES))}")
+            known = tuple(dict.fromkeys(ENGINES + PLAIN + GRAPH_ENGINES))
+            raise SystemExit(f"unknown engine {self.engine!r}: one of {known}")
         return time.perf_counter() - began
 
     def graph_kwargs(self) -> dict:
