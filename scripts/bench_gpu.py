@@ -182,7 +182,8 @@ class Bench:
 
             ray.init(namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
             began = time.perf_counter()  # the engine's start, not Ray's
-            self.model = RayVLLM(path, name=f"bench-{os.getpid()}", **kwargs, **self.graph_kwargs())
+            placement = {"cpus_per_rank": self.args.cpus_per_rank} if self.args.cpus_per_rank else {}
+            self.model = RayVLLM(path, name=f"bench-{os.getpid()}", **kwargs, **self.graph_kwargs(), **placement)
             print(f"[ray] {self.model.resolved_config()['log']}", flush=True)
         else:
             known = tuple(dict.fromkeys(ENGINES + PLAIN + GRAPH_ENGINES))
@@ -613,6 +614,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--extract-len", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--shard-prompts", type=int, default=64, help="shards: prompts per part file")
+    parser.add_argument("--cpus-per-rank", type=float, default=0,
+                        help="RayVLLM rows: CPUs each rank reserves, and its OMP threads on the CPU build "
+                             "(default: RayVLLM's, 1; plain vLLM's CPU worker uses every core)")
     parser.add_argument("--keep-prefix-cache", action="store_true",
                         help="plain vLLM rows keep their prefix cache between runs (by default each run starts "
                              "with it empty: every run repeats the same prompts)")
@@ -657,7 +661,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict] = {}
     forwarded = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in
                  ("workloads", "prompts", "tokens", "traces", "repeats", "extract_prompts", "extract_len",
-                  "shard_prompts", "shards_dir", "skip",
+                  "shard_prompts", "shards_dir", "skip", "cpus_per_rank",
                   "gpu_memory_utilization", "profile", "spy", "spy_workloads", "spy_dir", "spy_bin",
                   "spy_top")] + (["--keep-prefix-cache"] if args.keep_prefix_cache else [])
     with tempfile.TemporaryDirectory() as scratch:
