@@ -165,6 +165,10 @@ class Bench:
             extra = {"vllm-eager": {"enforce_eager": True}, "vllm-mp": {"distributed_executor_backend": "mp"},
                      "vllm-ray": {"distributed_executor_backend": "ray"}}.get(self.engine, {})
             self.llm = LLM(path, **kwargs, **extra)
+            from nnsight_ray._internal.parity import config_summary
+
+            print(f"[{self.engine}] kernels: {kernel_choices(config_summary(self.llm.llm_engine.vllm_config))}",
+                  flush=True)
         elif self.engine in ("nnsight-eager", "nnsight-taps"):
             from nnsight.modeling.vllm import VLLM
 
@@ -184,7 +188,9 @@ class Bench:
             began = time.perf_counter()  # the engine's start, not Ray's
             placement = {"cpus_per_rank": self.args.cpus_per_rank} if self.args.cpus_per_rank else {}
             self.model = RayVLLM(path, name=f"bench-{os.getpid()}", **kwargs, **self.graph_kwargs(), **placement)
-            print(f"[ray] {self.model.resolved_config()['log']}", flush=True)
+            resolved = self.model.resolved_config()
+            print(f"[ray] {resolved['log']}", flush=True)
+            print(f"[ray] kernels: {kernel_choices(resolved['config'])}", flush=True)
         else:
             known = tuple(dict.fromkeys(ENGINES + PLAIN + GRAPH_ENGINES))
             raise SystemExit(f"unknown engine {self.engine!r}: one of {known}")
@@ -384,6 +390,13 @@ class Bench:
         print(f"[{self.engine}] shards: {len(written)} files, {saved / 1e6:,.0f} MB; RSS MB "
               + ", ".join(f"{name} {mb:,.0f}" for name, mb in resident().items()), flush=True)
         return rows, saved
+
+
+def kernel_choices(summary: dict[str, str]) -> dict[str, str]:
+    """Which kernels an engine's resolved config asks for (custom ops, each IR op's priority): resolved where
+    the config is built, which for RayVLLM is the engine actor, not the rank that runs them."""
+    return {key.rsplit(".", 1)[-1]: value for key, value in summary.items()
+            if key == "compilation_config.custom_ops" or key.startswith("kernel_config.ir_op_priority.")}
 
 
 def resident() -> dict[str, float]:

@@ -61,6 +61,9 @@ EXPLAINED: dict[str, str] = {
     "compilation_config.cudagraph_mode": "follows enforce_eager",
     "compilation_config.cudagraph_capture_sizes": "follows enforce_eager",
     "compilation_config.max_cudagraph_capture_size": "follows enforce_eager",
+    "compilation_config.custom_ops": "follows the compilation mode (vLLM's own kernels without torch.compile)",
+    **{f"kernel_config.ir_op_priority.{op}": "follows the compilation mode (vLLM's own kernels without torch.compile)"
+       for op in ("rms_norm", "fused_add_rms_norm", "gelu_and_mul_sparse")},
     "parallel_config.worker_cls": "nnsight's worker (resolved per rank's platform)",
     "parallel_config.distributed_executor_backend": "nnsight_ray's Ray rank executor",
     "parallel_config.placement_group": "the ranks' placement group, reserved before the engine starts",
@@ -152,7 +155,10 @@ def config_summary(vllm_config: Any) -> dict[str, str]:
     """The resolved config's plain fields as ``{"section.field": repr}``: what the parity test compares.
 
     Sections: scheduler, cache, parallel, model (plain fields only), compilation's
-    mode and graph settings, and ``additional_config``'s keys.
+    mode, graph settings and custom ops, which kernel each IR op runs
+    (``kernel_config.ir_op_priority``: resolved on the platform of the process that
+    builds the config, so on an engine actor without a GPU it could name the CPU's
+    native kernels for a GPU rank), and ``additional_config``'s keys.
     """
     summary: dict[str, str] = {}
     for section in ("scheduler_config", "cache_config", "parallel_config", "model_config"):
@@ -164,9 +170,13 @@ def config_summary(vllm_config: Any) -> dict[str, str]:
             if _plain(value):
                 summary[f"{section}.{field.name}"] = repr(value)
     compilation = getattr(vllm_config, "compilation_config", None)
-    for name in ("mode", "cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size"):
+    for name in ("mode", "cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size", "custom_ops"):
         if compilation is not None and hasattr(compilation, name):
             summary[f"compilation_config.{name}"] = repr(getattr(compilation, name))
+    priority = getattr(getattr(vllm_config, "kernel_config", None), "ir_op_priority", None)
+    if priority is not None and dataclasses.is_dataclass(priority):
+        for field in dataclasses.fields(priority):
+            summary[f"kernel_config.ir_op_priority.{field.name}"] = repr(getattr(priority, field.name, None))
     summary["additional_config"] = repr(sorted((getattr(vllm_config, "additional_config", None) or {})))
     return summary
 
