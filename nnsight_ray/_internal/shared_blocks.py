@@ -91,12 +91,12 @@ def _reduction(cache: dict[int, tuple[Any, str, frozenset[str]]], node: Any) -> 
     if hit is None:
         scope = _AskedNames()
         source = reduce_block(node, {}, scope)[0]
-        names = frozenset(scope.asked) - _bound_before_read(source)
+        names = frozenset(scope.asked) - _bound_before_read(node.body)
         hit = cache[id(node)] = (node, source, names)  # the node pins its id
     return hit[1], hit[2]
 
 
-def _bound_before_read(source: str) -> frozenset[str]:
+def _bound_before_read(body: list[Any]) -> frozenset[str]:
     """Names the block's top level binds with a plain assignment before any statement mentions them.
 
     Statements run in order, so such a name's value in the enclosing scope is
@@ -108,7 +108,7 @@ def _bound_before_read(source: str) -> frozenset[str]:
 
     seen: set[str] = set()
     bound: set[str] = set()
-    for statement in ast.parse(source).body:
+    for statement in body:  # the block's statements, as nnsight unparses them
         targets = _plain_targets(statement.targets) if isinstance(statement, ast.Assign) else None
         if targets is not None:
             seen.update(node.id for node in ast.walk(statement.value) if isinstance(node, ast.Name))
