@@ -151,6 +151,12 @@ class Bench:
         kwargs = dict(dtype=self.args.dtype, max_model_len=max(512, 2 * self.args.extract_len))
         if self.args.on_gpu:
             kwargs["gpu_memory_utilization"] = self.args.gpu_memory_utilization
+        if self.args.kernel_profile:  # vLLM's own worker profiler, started only by `kernel_profile`
+            from vllm.config import ProfilerConfig
+
+            kwargs["profiler_config"] = ProfilerConfig(
+                profiler="torch", torch_profiler_dir=str(Path(self.args.kernel_profile) / self.engine),
+                torch_profiler_with_stack=False)
         else:
             kwargs["kv_cache_memory_bytes"] = 256 << 20
         return kwargs
@@ -455,6 +461,8 @@ def child(args: argparse.Namespace) -> None:
         out.write_text(json.dumps(result))
     if args.profile:
         profile(bench, args.profile, args.workloads.split(","))
+    if args.kernel_profile:
+        kernel_profile(bench, args)
     if args.spy:
         spy(bench, args)
     bench.stop()
@@ -483,6 +491,31 @@ def profile(bench: Bench, top: int, workloads: list[str]) -> None:
         stats.sort_stats("cumulative").print_stats(top)
         print(f"\nPROFILE {bench.engine} {workload} ({len(bench.texts)} prompts x {bench.args.tokens} tokens)\n"
               + out.getvalue(), flush=True)
+
+
+def kernel_profile(bench: Bench, args: argparse.Namespace) -> None:
+    """One run of each of ``--kernel-profile-workloads`` under vLLM's own worker profiler (torch.profiler on
+    every rank: CPU and device activity); vLLM writes each worker's table, sorted by device time, and its
+    trace to ``--kernel-profile``/<engine>/. The table's top rows are printed here."""
+    for workload in [w for w in args.kernel_profile_workloads.split(",") if w in bench.workloads()]:
+        run = getattr(bench, "run_" + workload.replace("-", "_"))
+        bench.before(workload)()
+        entry = bench.entrypoint()  # plain vLLM's and LocalVLLM's `LLM`, or RayVLLM's engine
+        if hasattr(entry, "start_profile"):
+            entry.start_profile(profile_prefix=workload)
+        else:
+            entry.collective_rpc("profile", args=(True, workload))
+        began = time.perf_counter()
+        run()
+        took = time.perf_counter() - began
+        if hasattr(entry, "start_profile"):
+            entry.stop_profile()
+        else:
+            entry.collective_rpc("profile", args=(False,))
+        print(f"\nKERNELS {bench.engine} {workload}: one run under the profiler, {took:.2f} s", flush=True)
+        for table in sorted((Path(args.kernel_profile) / bench.engine).glob(f"{workload}*profiler_out.txt")):
+            lines = table.read_text().splitlines()
+            print(f"[{table.name}]\n" + "\n".join(lines[:args.spy_top + 4] + lines[-3:]), flush=True)
 
 
 def engine_processes() -> dict[int, str]:
@@ -647,6 +680,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spy-workloads", default="generate")
     parser.add_argument("--spy-dir", default="", help="where the raw py-spy profiles go")
     parser.add_argument("--spy-bin", default="", help="py-spy, where it is not on PATH")
+    parser.add_argument("--kernel-profile", default="", metavar="DIR",
+                        help="after the workloads, one run of each --kernel-profile-workloads under vLLM's worker "
+                             "profiler (torch.profiler); tables and traces go to DIR/<engine>/")
+    parser.add_argument("--kernel-profile-workloads", default="prefill")
     parser.add_argument("--spy-top", type=int, default=25)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
@@ -676,7 +713,7 @@ def main(argv: list[str] | None = None) -> None:
                  ("workloads", "prompts", "tokens", "traces", "repeats", "extract_prompts", "extract_len",
                   "shard_prompts", "shards_dir", "skip", "cpus_per_rank",
                   "gpu_memory_utilization", "profile", "spy", "spy_workloads", "spy_dir", "spy_bin",
-                  "spy_top")] + (["--keep-prefix-cache"] if args.keep_prefix_cache else [])
+                  "spy_top", "kernel_profile", "kernel_profile_workloads")] + (["--keep-prefix-cache"] if args.keep_prefix_cache else [])
     with tempfile.TemporaryDirectory() as scratch:
         for engine in engines:
             out = Path(scratch) / f"{engine}.json"
