@@ -239,13 +239,25 @@ class EngineCore:
         return 4 * tokens if isinstance(tokens, int) and tokens > 0 else 65536
 
     async def _render(self, prompts: list) -> list | None:
-        """``prompts`` as vLLM's engine inputs (``Renderer.render_cmpl``, the defaults a raw prompt gets), or None."""
+        """``prompts`` as vLLM's engine inputs (``Renderer.render_cmpl``, the defaults a raw prompt gets), or None.
+
+        The batch renders with the synchronous ``render_cmpl`` (what ``vllm.LLM``
+        calls) in one call on the renderer's own tokenizer thread, not with
+        ``render_cmpl_async``: that one hands each prompt to the thread on its own,
+        and the future, the callback and the wake-up per prompt ran on this
+        actor's event loop, the same loop that adds the requests and takes their
+        outputs. On the H200 (docs/performance.md, "Session 15") the GPU sat idle
+        ~0.5 s of a 2 s prefill run waiting for requests to arrive.
+        """
         try:
             from vllm.renderers.inputs.preprocess import parse_model_prompt
 
             renderer = self.llm.renderer
             parsed = [parse_model_prompt(self.llm.model_config, prompt) for prompt in prompts]
-            return list(await renderer.render_cmpl_async(parsed, renderer.default_cmpl_tok_params))
+            # vLLM's renderer tokenizes on its own executor (one tokenizer, one thread at a time).
+            executor = getattr(renderer, "_executor", None)
+            return list(await asyncio.get_running_loop().run_in_executor(
+                executor, renderer.render_cmpl, parsed, renderer.default_cmpl_tok_params))
         except Exception:  # noqa: BLE001 - each request renders, and fails, on its own
             logger.debug("rendering %d prompts together failed; adding them one by one", len(prompts),
                          exc_info=True)

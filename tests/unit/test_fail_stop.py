@@ -528,7 +528,7 @@ def test_a_merge_book_hands_its_death_message_to_who_waits_for_it():
 class RenderingLLM(FakeLLM):
     """A fake ``AsyncLLM`` with vLLM's renderer surface: prompts render to ``{"type": "token", ...}``."""
 
-    def __init__(self, fail: bool = False, hold: asyncio.Event | None = None) -> None:
+    def __init__(self, fail: bool = False, hold: threading.Event | None = None) -> None:
         super().__init__()
         self.model_config = SimpleNamespace(is_encoder_decoder=False)
         self.events: list[tuple] = []
@@ -537,11 +537,11 @@ class RenderingLLM(FakeLLM):
         class Renderer:
             default_cmpl_tok_params = "defaults"
 
-            async def render_cmpl_async(self, parsed, tok_params):
+            def render_cmpl(self, parsed, tok_params):  # called on a thread: the loop runs meanwhile
                 llm.events.append(("render", [p["prompt"] for p in parsed], tok_params))
-                await asyncio.sleep(0)  # vLLM tokenizes in a thread: the loop runs meanwhile
+                time.sleep(0.02)  # tokenizing
                 if hold is not None:
-                    await hold.wait()
+                    hold.wait(10)
                 if fail:
                     raise ValueError("a prompt vLLM refuses")
                 llm.events.append(("rendered",))
@@ -558,6 +558,13 @@ class RenderingLLM(FakeLLM):
             yield output
 
 
+async def _reported(h: Harness, n: int, timeout: float = 10.0) -> None:
+    """Until ``n`` requests are reported (the render runs on a thread, so the loop yields in real time)."""
+    until = time.monotonic() + timeout
+    while len(h.reports) < n and time.monotonic() < until:
+        await asyncio.sleep(0.005)
+
+
 def _rendering_harness(llm: RenderingLLM) -> Harness:
     h = Harness()
     h.llm = llm
@@ -571,7 +578,7 @@ def test_one_calls_prompts_render_together_then_start_together():
     async def scenario():
         h = _rendering_harness(RenderingLLM())
         h.core.submit("g", ["ok", "okay", "ok!"], [None] * 3)
-        await _settle()
+        await _reported(h, 3)
         return h
 
     h = asyncio.run(scenario())
@@ -597,7 +604,7 @@ def test_a_long_call_renders_in_batches_of_about_a_step_each_added_before_the_ne
     async def scenario():
         h = _rendering_harness(RenderingLLM())
         h.core.submit("g", ["ok1", "ok2", "ok3", "ok4", "ok5"], [None] * 5)
-        await _settle(40)
+        await _reported(h, 5)
         return h
 
     h = asyncio.run(scenario())
@@ -615,7 +622,7 @@ def test_a_batch_that_does_not_render_goes_request_by_request():
     async def scenario():
         h = _rendering_harness(RenderingLLM(fail=True))
         h.core.submit("g", ["ok", "bad", "ok"], [BLOCK] * 3)
-        await _settle(40)
+        await _reported(h, 3)
         return h
 
     h = asyncio.run(scenario())
@@ -627,12 +634,13 @@ def test_a_batch_that_does_not_render_goes_request_by_request():
 
 def test_the_engine_dying_while_a_batch_renders_reports_each_request_once():
     async def scenario():
-        hold = asyncio.Event()
+        hold = threading.Event()
         h = _rendering_harness(RenderingLLM(hold=hold))
         h.core.submit("g", ["ok", "ok"], [None] * 2)
         await _settle()
         await h.core.fail(EngineDeadError("the engine is dead: rank pp0.tp0 died"))
         await _settle()
+        hold.set()  # the render thread returns (to nothing: its call was cancelled)
         return h
 
     h = asyncio.run(scenario())
