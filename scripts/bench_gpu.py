@@ -151,14 +151,14 @@ class Bench:
         kwargs = dict(dtype=self.args.dtype, max_model_len=max(512, 2 * self.args.extract_len))
         if self.args.on_gpu:
             kwargs["gpu_memory_utilization"] = self.args.gpu_memory_utilization
+        else:
+            kwargs["kv_cache_memory_bytes"] = 256 << 20
         if self.args.kernel_profile:  # vLLM's own worker profiler, started only by `kernel_profile`
             from vllm.config import ProfilerConfig
 
             kwargs["profiler_config"] = ProfilerConfig(
                 profiler="torch", torch_profiler_dir=str(Path(self.args.kernel_profile) / self.engine),
                 torch_profiler_with_stack=False)
-        else:
-            kwargs["kv_cache_memory_bytes"] = 256 << 20
         return kwargs
 
     def start(self) -> float:

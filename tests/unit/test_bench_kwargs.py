@@ -1,0 +1,34 @@
+"""The GPU benchmark's engine arguments: every engine of one invocation gets the same ones (equal footing)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_gpu.py"
+
+
+@pytest.fixture(scope="module")
+def bench_gpu():
+    spec = importlib.util.spec_from_file_location("bench_gpu_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+@pytest.mark.parametrize("kernel_profile", ["", "/tmp/kp"])
+def test_the_kv_cache_is_sized_by_platform_whether_or_not_a_kernel_profile_is_asked(bench_gpu, on_gpu, kernel_profile):
+    """A GPU engine sizes its KV cache by ``gpu_memory_utilization``, a CPU engine gets 256 MiB; asking for a
+    kernel profile only adds vLLM's profiler config (session 15 ran two GPU benches with a 256 MiB cache
+    because the profiler's branch had taken the CPU's ``else``)."""
+    args = SimpleNamespace(dtype="bfloat16", extract_len=256, on_gpu=on_gpu, gpu_memory_utilization=0.5,
+                           kernel_profile=kernel_profile)
+    kwargs = bench_gpu.Bench.engine_kwargs(SimpleNamespace(args=args, engine="ray"))
+    assert ("gpu_memory_utilization" in kwargs) is on_gpu
+    assert ("kv_cache_memory_bytes" in kwargs) is (not on_gpu)
+    assert ("profiler_config" in kwargs) is bool(kernel_profile)
+    if kernel_profile:
+        assert kwargs["profiler_config"].torch_profiler_dir == "/tmp/kp/ray"
