@@ -258,6 +258,9 @@ class RemoteEngine:
     def resolved_config(self) -> dict[str, Any]:
         return self.wait(self.engine.resolved_config.remote())
 
+    def timeline(self, since: float = 0.0) -> dict[str, list]:
+        return self.wait(self.engine.timeline.remote(since))
+
     def health(self) -> dict[str, Any]:
         """The engine actor's health; if it cannot answer, what the GCS says of every actor."""
         import ray
@@ -459,6 +462,12 @@ class RayVLLM(LocalVLLM):
         is the log line (``_internal/parity.py``).
         """
         return self.vllm_entrypoint.resolved_config()
+
+    def timeline(self, since: float = 0.0) -> dict[str, list]:
+        """What the engine did from ``since`` (``time.monotonic()`` on the engine's host) on: the engine
+        actor's submits, adds and request ends, and each rank's steps (start, tokens, end); a diagnostic
+        (``_internal/timeline.py``; ``scripts/bench_gpu.py`` prints one line per workload)."""
+        return self.vllm_entrypoint.timeline(since)
 
     def request_counts(self) -> list[int]:
         """``nnsight_request_count`` on every rank (0 when no request holds workers)."""

@@ -216,6 +216,19 @@ class Bench:
             return {}
         return dict(self.model.step_modes()[0])
 
+    def timeline(self, began: float, ended: float) -> str:
+        """The run from ``began`` to ``ended`` (``time.monotonic``) as a timeline (``_internal/timeline.py``);
+        RayVLLM rows only (its actors run on this host, on this clock)."""
+        if not self.engine.startswith("ray") or self.model is None:
+            return ""
+        from nnsight_ray._internal.timeline import summarize
+
+        try:
+            got = self.model.timeline(began)
+        except Exception as error:  # a diagnostic: never fails the row
+            return f"(no timeline: {type(error).__name__}: {error})"
+        return summarize(began, ended, got["engine"], got["ranks"][0] if got["ranks"] else [])
+
     def stop(self) -> None:
         if self.engine.startswith("ray") and self.model is not None:
             self.before_shards()
@@ -443,9 +456,10 @@ def child(args: argparse.Namespace) -> None:
             times, amounts = [], None
             for _ in range(args.repeats):
                 before()
-                began = time.perf_counter()
+                began, mono = time.perf_counter(), time.monotonic()
                 amounts = run()
                 times.append(time.perf_counter() - began)
+            timeline = bench.timeline(mono, time.monotonic())
             median = statistics.median(times)
             tokens, saved = amounts
             modes = {k: v - modes_before.get(k, 0) for k, v in bench.step_modes().items()}
@@ -455,6 +469,9 @@ def child(args: argparse.Namespace) -> None:
                                              "step_modes": {k: v for k, v in modes.items() if v}}
             print(f"[{args.child}] {workload}: {tokens / median:,.0f} tok/s (runs {', '.join(f'{t:.2f}' for t in times)} s)"
                   f"{' steps ' + str(result['workloads'][workload]['step_modes']) if modes else ''}", flush=True)
+            if timeline:
+                result["workloads"][workload]["timeline"] = timeline
+                print(f"[{args.child}] {workload} last run, ms: {timeline}", flush=True)
         except Exception as error:
             result["errors"][workload] = f"{type(error).__name__}: {error}"
             print(f"[{args.child}] {workload} FAILED: {type(error).__name__}: {error}", flush=True)

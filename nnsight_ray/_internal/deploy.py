@@ -344,6 +344,12 @@ class EngineActor:
     async def config(self) -> DeploymentSpec:
         return self.spec
 
+    async def timeline(self, since: float = 0.0) -> dict[str, list]:
+        """This actor's submits, adds and ends, and each rank's steps, from ``since`` on (``timeline``)."""
+        core = self._require_core()
+        ranks = await core.rpc("nnsight_ray_step_timeline", (since,))
+        return {"engine": core.timeline.since(since), "ranks": ranks}
+
     async def get_topology(self) -> list[dict[str, Any]]:
         return list(self.topology)
 

@@ -38,6 +38,7 @@ from typing import Any, Awaitable, Callable
 
 from ..errors import EngineDeadError, RequestError
 from . import metrics
+from .timeline import ADDED, ENDED, SUBMIT, Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +181,8 @@ class EngineCore:
         # Time the loop spent in collection: the stash RPCs, during which vLLM's
         # engine core runs no step (health() reports it; see the stall benchmark).
         self.collect_stats = {"calls": 0, "requests": 0, "seconds": 0.0, "max_s": 0.0}
+        # Submits, adds and ends, for a run's timeline (``timeline.summarize``).
+        self.timeline = Timeline()
 
     # -- submit -------------------------------------------------------------
 
@@ -192,6 +195,7 @@ class EngineCore:
         output per request per step. Streams (``stream``) keep every step.
         """
         reports = [self._track(group, index, param) for index, param in enumerate(params[:len(prompts)])]
+        self.timeline.mark(SUBMIT, len(reports))
         if len(reports) < 2:
             for report, prompt, param in zip(reports, prompts, params):
                 self._start(report, prompt, final_only(param), loras[0] if loras else None)
@@ -283,6 +287,7 @@ class EngineCore:
         ``finally`` reports: no path out of here skips ``finish``.
         """
         output, error = None, None
+        self.timeline.mark(ADDED)  # its task starts: vLLM's add_request is next
         try:
             try:
                 if self.dead is not None:
@@ -339,6 +344,7 @@ class EngineCore:
         """
         if report.request_id not in self._unreported:
             return
+        self.timeline.mark(ENDED)
         report.output, report.error = output, error
         report.collected = self.needs_collect(report)
         if self.dead is not None:  # nothing to collect from a dead engine

@@ -37,10 +37,12 @@ and what lets a tap be recorded into a graph).
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any, Iterable
 
 from ..errors import RequestError
 from .classes import extend
+from .timeline import STEP, Timeline
 
 ANY, PIECEWISE, EAGER = "any", "piecewise", "eager"
 TAPS_KEY = "nnsight_ray_taps"  # the tap patterns, in vLLM's additional_config
@@ -122,6 +124,8 @@ class StepModes:
 
     def __init__(self) -> None:
         self.counts: collections.Counter = collections.Counter()
+        # Each step's start, scheduled tokens and end (``RayVLLM.timeline``).
+        self.timeline = Timeline()
 
     def record(self, mode: Any, forced: bool) -> None:
         name = getattr(mode, "name", str(mode))
@@ -182,10 +186,13 @@ class GraphStepsRunnerMixin:
         if graph is None:
             return super().execute_model(*args, **kwargs)  # type: ignore[misc]
         graph["in_step"], graph["mode"] = True, None
+        began = time.monotonic()
         try:
             return super().execute_model(*args, **kwargs)  # type: ignore[misc]
         finally:
             graph["in_step"] = False
+            tokens = getattr(args[0] if args else kwargs.get("scheduler_output"), "total_num_scheduled_tokens", 0)
+            self.nnsight_ray_step_modes.timeline.mark(STEP, tokens or 0, began)
             if graph["graphs"]:
                 interleaver = self.nnsight_model.interleaver  # type: ignore[attr-defined]
                 self.cudagraph_dispatcher.nnsight_ray_no_full = False  # type: ignore[attr-defined]

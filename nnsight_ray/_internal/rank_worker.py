@@ -177,6 +177,11 @@ class RankRPCMixin:
         modes = getattr(self.model_runner, "nnsight_ray_step_modes", None)
         return dict(modes.counts) if modes is not None else {}
 
+    def nnsight_ray_step_timeline(self, since: float = 0.0) -> list[tuple]:
+        """This rank's steps that began at ``since`` (``time.monotonic``) or later (``timeline``)."""
+        modes = getattr(self.model_runner, "nnsight_ray_step_modes", None)
+        return modes.timeline.since(since) if modes is not None else []
+
     def nnsight_ray_block_names(self) -> dict[str, int]:
         """How many source-cache entries of received blocks this rank holds (a leak gauge; see ``block_names``)."""
         from .block_names import held

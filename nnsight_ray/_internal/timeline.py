@@ -1,0 +1,70 @@
+"""When an engine did what: its steps (on each rank) and its requests' submits, adds and ends (engine actor).
+
+Every process keeps its last ``SIZE`` events, stamped with ``time.monotonic()``
+(the same clock in every process of a host), so a run's timeline can be put
+together afterwards (``RayVLLM.timeline``; ``scripts/bench_gpu.py`` prints one
+line per workload): how long the GPU waited for its first step, how many steps
+ran part-empty, the gaps between steps, how long results took to come home.
+Recording is a ``deque.append`` per step and per request.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+from typing import Iterable
+
+SIZE = 16384
+
+# Event kinds. A step's value is its scheduled tokens and it carries its end time;
+# the engine actor's carry a count (prompts submitted, requests added, requests ended).
+STEP, SUBMIT, ADDED, ENDED = "step", "submit", "added", "ended"
+
+
+class Timeline:
+    """A process's last ``SIZE`` events: ``(time, kind, value, end)``."""
+
+    def __init__(self, size: int = SIZE) -> None:
+        self.events: collections.deque = collections.deque(maxlen=size)
+
+    def mark(self, kind: str, value: int = 1, began: float | None = None) -> None:
+        now = time.monotonic()
+        self.events.append((now if began is None else began, kind, value, now))
+
+    def since(self, t: float) -> list[tuple]:
+        return [e for e in self.events if e[0] >= t]
+
+
+def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterable[tuple]) -> str:
+    """One run's timeline in a line, times in ms from ``began`` (the caller's call) to ``ended`` (its result).
+
+    ``actor``: the engine actor's events; ``steps``: one rank's. "Between" is the
+    time from one step's end to the next one's start (the rank waiting for work);
+    a step with under half the tokens of the run's largest counts as part-empty.
+    """
+    ms = lambda t: f"{(t - began) * 1e3:,.0f}"  # noqa: E731
+    actor = [e for e in actor if began <= e[0] <= ended]
+    steps = sorted((e for e in steps if e[1] == STEP and began <= e[0] <= ended), key=lambda e: e[0])
+    parts = []
+    submits = [e for e in actor if e[1] == SUBMIT]
+    adds = [e for e in actor if e[1] == ADDED]
+    ends = [e for e in actor if e[1] == ENDED]
+    if submits:
+        parts.append(f"submit +{ms(submits[0][0])}")
+    if adds:
+        parts.append(f"added {sum(e[2] for e in adds)} by +{ms(adds[0][3])}..+{ms(adds[-1][3])}")
+    if steps:
+        busy = sum(e[3] - e[0] for e in steps)
+        gaps = [b[0] - a[3] for a, b in zip(steps, steps[1:])]
+        tokens = [e[2] for e in steps]
+        small = sum(1 for t in tokens if t < max(tokens) / 2)
+        parts.append(f"{len(steps)} steps +{ms(steps[0][0])}..+{ms(steps[-1][3])}, in steps {busy * 1e3:,.0f}, "
+                     f"between {sum(gaps) * 1e3:,.0f} (median {statistics.median(gaps) * 1e3 if gaps else 0:.1f}, "
+                     f"max {max(gaps, default=0) * 1e3:.1f})"
+                     + f", {small} under half full; tokens {tokens[:6]}{'...' if len(tokens) > 6 else ''}")
+    if ends:
+        parts.append(f"{sum(e[2] for e in ends)} ended by +{ms(ends[-1][3])}")
+    parts.append(f"result +{ms(ended)}")
+    return "; ".join(parts)
+

@@ -1,0 +1,25 @@
+"""The run timeline's summary (pure logic; the events come from the engine actor and a rank)."""
+from nnsight_ray._internal.timeline import ADDED, ENDED, STEP, SUBMIT, Timeline, summarize
+
+
+def test_summary_reads_the_events_of_the_run_only():
+    engine = [(0.5, SUBMIT, 9, 0.5), (10.0, SUBMIT, 4, 10.0), (10.001, ADDED, 1, 10.002), (10.003, ADDED, 1, 10.004),
+              (10.2, ENDED, 1, 10.2), (10.3, ENDED, 1, 10.3)]
+    steps = [(9.0, STEP, 99, 9.1), (10.01, STEP, 256, 10.02), (10.05, STEP, 1024, 10.10), (10.11, STEP, 1024, 10.16)]
+    line = summarize(10.0, 10.4, engine, steps)
+    assert line.startswith("submit +0; added 2 by +2..+4; 3 steps +10..+160, in steps 110, between 40")
+    assert "median 20.0, max 30.0" in line and "1 under half full; tokens [256, 1024, 1024]" in line
+    assert line.endswith("2 ended by +300; result +400")
+
+
+def test_summary_of_a_run_with_no_events():
+    assert summarize(1.0, 1.25, [], []) == "result +250"
+
+
+def test_timeline_keeps_its_last_events_only():
+    timeline = Timeline(size=3)
+    for value in range(5):
+        timeline.mark(STEP, value)
+    assert [e[2] for e in timeline.since(0.0)] == [2, 3, 4]
+    began, = [e[0] for e in timeline.since(0.0)][-1:]
+    assert [e[2] for e in timeline.since(began)] == [4]
