@@ -38,7 +38,7 @@ from typing import Any, Awaitable, Callable
 
 from ..errors import EngineDeadError, RequestError
 from . import metrics
-from .timeline import ADDED, ENDED, SUBMIT, Timeline
+from .timeline import ADDED, ENDED, RENDER, SUBMIT, Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,35 @@ def render_batches(prompts: list, chars: int) -> list[range]:
     return batches
 
 
+def render_batch(renderer: Any, parsed: list) -> list:
+    """vLLM's ``renderer.render_cmpl(parsed)`` with its defaults, its plain text prompts tokenized in one call.
+
+    ``render_cmpl`` tokenizes one prompt per tokenizer call; a fast tokenizer's
+    call is a trip into Rust and its thread pool, and on the H200 host that was
+    38% of the engine actor's samples in a 2,048-prompt prefill (performance.md,
+    "Session 16"). Here every prompt that is text alone (no multimodal data, no
+    other keys, no token offsets wanted) goes through the renderer's own steps
+    for text: ``apply_pre_tokenization`` (length check, lower-casing), the same
+    tokenizer with the same ``get_encode_kwargs``, given the whole list at once,
+    and ``_build_tokens_prompt``; ``render_cmpl`` then finds token ids and
+    applies the rest as it always does (``apply_post_tokenization``: token
+    truncation and checks; the engine input). Anything else is left to it.
+    A prompt the pre-tokenization refuses fails the batch, which then renders
+    request by request (``EngineCore._start_rendered``), as any refused prompt does.
+    """
+    params = renderer.default_cmpl_tok_params
+    texts = [i for i, p in enumerate(parsed) if isinstance(p, dict) and set(p) == {"prompt"}
+             and isinstance(p["prompt"], str)]
+    tokenizer = renderer.get_tokenizer() if texts and hasattr(renderer, "get_tokenizer") else None
+    if tokenizer is not None and not getattr(params, "return_token_offsets", False):
+        ready = [params.apply_pre_tokenization(renderer.tokenizer, dict(parsed[i])) for i in texts]
+        ids = tokenizer([p["prompt"] for p in ready], **params.get_encode_kwargs())["input_ids"]
+        parsed = list(parsed)
+        for i, prompt, token_ids in zip(texts, ready, ids):
+            parsed[i] = renderer._build_tokens_prompt(token_ids, prompt)
+    return renderer.render_cmpl(parsed, params)
+
+
 @dataclass
 class _End:
     """The last item of a stream's queue: how its request ended."""
@@ -183,6 +212,7 @@ class EngineCore:
         self.collect_stats = {"calls": 0, "requests": 0, "seconds": 0.0, "max_s": 0.0}
         # Submits, adds and ends, for a run's timeline (``timeline.summarize``).
         self.timeline = Timeline()
+        self.timeline.watch_gc()
 
     # -- submit -------------------------------------------------------------
 
@@ -223,7 +253,9 @@ class EngineCore:
         started = 0
         try:
             for batch in render_batches(prompts, self.render_batch_chars):
+                began = time.monotonic()
                 rendered = await self._render([prompts[i] for i in batch])
+                self.timeline.mark(RENDER, len(batch), began)
                 for position, index in enumerate(batch):
                     prompt = rendered[position] if rendered is not None else prompts[index]
                     self._start(reports[index], prompt, final_only(params[index]), loras[index] if loras else None)
@@ -245,13 +277,13 @@ class EngineCore:
     async def _render(self, prompts: list) -> list | None:
         """``prompts`` as vLLM's engine inputs (``Renderer.render_cmpl``, the defaults a raw prompt gets), or None.
 
-        The batch renders with the synchronous ``render_cmpl`` (what ``vllm.LLM``
-        calls) in one call on the renderer's own tokenizer thread, not with
-        ``render_cmpl_async``: that one hands each prompt to the thread on its own,
-        and the future, the callback and the wake-up per prompt ran on this
-        actor's event loop, the same loop that adds the requests and takes their
-        outputs. On the H200 (docs/performance.md, "Session 15") the GPU sat idle
-        ~0.5 s of a 2 s prefill run waiting for requests to arrive.
+        The batch renders in one call on the renderer's own tokenizer thread
+        (``render_batch``), not with ``render_cmpl_async``: that one hands each
+        prompt to the thread on its own, and the future, the callback and the
+        wake-up per prompt ran on this actor's event loop, the same loop that
+        adds the requests and takes their outputs. On the H200
+        (docs/performance.md, "Session 15") the GPU sat idle ~0.5 s of a 2 s
+        prefill run waiting for requests to arrive.
         """
         try:
             from vllm.renderers.inputs.preprocess import parse_model_prompt
@@ -260,8 +292,7 @@ class EngineCore:
             parsed = [parse_model_prompt(self.llm.model_config, prompt) for prompt in prompts]
             # vLLM's renderer tokenizes on its own executor (one tokenizer, one thread at a time).
             executor = getattr(renderer, "_executor", None)
-            return list(await asyncio.get_running_loop().run_in_executor(
-                executor, renderer.render_cmpl, parsed, renderer.default_cmpl_tok_params))
+            return list(await asyncio.get_running_loop().run_in_executor(executor, render_batch, renderer, parsed))
         except Exception:  # noqa: BLE001 - each request renders, and fails, on its own
             logger.debug("rendering %d prompts together failed; adding them one by one", len(prompts),
                          exc_info=True)

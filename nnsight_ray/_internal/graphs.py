@@ -126,6 +126,7 @@ class StepModes:
         self.counts: collections.Counter = collections.Counter()
         # Each step's start, scheduled tokens and end (``RayVLLM.timeline``).
         self.timeline = Timeline()
+        self.timeline.watch_gc()
 
     def record(self, mode: Any, forced: bool) -> None:
         name = getattr(mode, "name", str(mode))

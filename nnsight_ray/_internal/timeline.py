@@ -19,7 +19,10 @@ SIZE = 16384
 
 # Event kinds. A step's value is its scheduled tokens and it carries its end time;
 # the engine actor's carry a count (prompts submitted, requests added, requests ended).
-STEP, SUBMIT, ADDED, ENDED = "step", "submit", "added", "ended"
+STEP, SUBMIT, RENDER, ADDED, ENDED, GC = "step", "submit", "render", "added", "ended", "gc"
+
+# A garbage collection shorter than this is not recorded.
+GC_MIN_S = 0.002
 
 
 class Timeline:
@@ -35,6 +38,28 @@ class Timeline:
     def since(self, t: float) -> list[tuple]:
         return [e for e in self.events if e[0] >= t]
 
+    def watch_gc(self) -> None:
+        """Record this process's garbage collections of ``GC_MIN_S`` or more (value: the generation)."""
+        import gc
+
+        started = [0.0]
+
+        def callback(phase: str, info: dict) -> None:
+            if phase == "start":
+                started[0] = time.monotonic()
+            elif time.monotonic() - started[0] >= GC_MIN_S:
+                self.mark(GC, info.get("generation", -1), started[0])
+
+        gc.callbacks.append(callback)
+
+
+def _pauses(events: list[tuple], who: str) -> str:
+    gcs = [e for e in events if e[1] == GC]
+    if not gcs:
+        return ""
+    longest = max(e[3] - e[0] for e in gcs)
+    return f"{who} gc {len(gcs)}x {sum(e[3] - e[0] for e in gcs) * 1e3:,.0f} (longest {longest * 1e3:,.0f})"
+
 
 def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterable[tuple]) -> str:
     """One run's timeline in a line, times in ms from ``began`` (the caller's call) to ``ended`` (its result).
@@ -45,13 +70,18 @@ def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterabl
     """
     ms = lambda t: f"{(t - began) * 1e3:,.0f}"  # noqa: E731
     actor = [e for e in actor if began <= e[0] <= ended]
-    steps = sorted((e for e in steps if e[1] == STEP and began <= e[0] <= ended), key=lambda e: e[0])
+    rank = [e for e in steps if began <= e[0] <= ended]
+    steps = sorted((e for e in rank if e[1] == STEP), key=lambda e: e[0])
     parts = []
     submits = [e for e in actor if e[1] == SUBMIT]
     adds = [e for e in actor if e[1] == ADDED]
     ends = [e for e in actor if e[1] == ENDED]
     if submits:
         parts.append(f"submit +{ms(submits[0][0])}")
+    renders = [e for e in actor if e[1] == RENDER]
+    if renders:
+        parts.append(f"rendered {sum(e[2] for e in renders)} in {len(renders)} +{ms(renders[0][0])}..+{ms(renders[-1][3])} "
+                     f"(longest {max(e[3] - e[0] for e in renders) * 1e3:,.0f})")
     if adds:
         parts.append(f"added {sum(e[2] for e in adds)} by +{ms(adds[0][3])}..+{ms(adds[-1][3])}")
     if steps:
@@ -66,5 +96,6 @@ def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterabl
     if ends:
         parts.append(f"{sum(e[2] for e in ends)} ended by +{ms(ends[-1][3])}")
     parts.append(f"result +{ms(ended)}")
+    parts += [p for p in (_pauses(actor, "engine"), _pauses(rank, "rank")) if p]
     return "; ".join(parts)
 
