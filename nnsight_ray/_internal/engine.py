@@ -131,20 +131,37 @@ SHUTDOWN_AFTER_DEATH_S = 0.5
 RENDER_BATCH_CHARS = int(os.environ.get("NNSIGHT_RAY_RENDER_BATCH_CHARS", "0"))
 
 
+# A call longer than one step starts with a batch of 1/RENDER_RAMP of a step, each next one twice as large.
+RENDER_RAMP = 8
+
+
+def _chars(prompt: Any) -> int:
+    """A prompt's size in characters: its text, or 4 a token for token ids, or its ``str``."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
+        return 4 * len(prompt["prompt_token_ids"])
+    return len(str(prompt))
+
+
 def render_batches(prompts: list, chars: int) -> list[range]:
-    """Consecutive runs of ``prompts`` of about ``chars`` characters each (a prompt given as token ids counts
-    as 4 a token; anything else as its ``str``), each at least one prompt: the batches a call renders in."""
+    """Consecutive runs of ``prompts`` (each at least one prompt): the batches a call renders in.
+
+    A call of at most ``chars`` characters (about one engine step) is one batch,
+    so its requests start in the same step. A longer call ramps up: its first
+    batch is about ``chars / RENDER_RAMP``, each next one twice the last, up
+    to ``chars``, so the GPU starts on the first prompts while the rest are
+    tokenized (on the H200 a first batch of a whole step kept it idle ~80 ms;
+    docs/performance.md, "Session 16").
+    """
+    sizes = [_chars(prompt) for prompt in prompts]
+    limit = chars if sum(sizes) <= chars else max(chars // RENDER_RAMP, 1)
     batches, start, size = [], 0, 0
-    for index, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            size += len(prompt)
-        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
-            size += 4 * len(prompt["prompt_token_ids"])
-        else:
-            size += len(str(prompt))
-        if size >= chars:
+    for index, grown in enumerate(sizes):
+        size += grown
+        if size >= limit:
             batches.append(range(start, index + 1))
-            start, size = index + 1, 0
+            start, size, limit = index + 1, 0, min(2 * limit, chars)
     if start < len(prompts):
         batches.append(range(start, len(prompts)))
     return batches
@@ -245,8 +262,9 @@ class EngineCore:
         wave sat parked while the others ran. Rendered all at once, a call of
         2,048 prompts of 256 tokens added its first request after all were
         tokenized: 0.56-0.85 s on the 2-core machine, 13-20 ms in batches
-        (``scripts/bench_submit.py``). A batch is about one step's worth of text
-        (``render_batches``): a call that fits in one step renders as one batch.
+        (``scripts/bench_submit.py``). A call that fits in one step renders as one
+        batch; a longer one in batches growing from an eighth of a step to a step
+        (``render_batches``).
         A batch that does not render (a prompt vLLM refuses) goes request by
         request, so only its bad prompt fails.
         """

@@ -13,7 +13,7 @@ docs/performance.md, "Where the time goes").
 
 Design. ``dumps`` is nnsight's compact pickler in which a plain dense tensor
 (exactly ``torch.Tensor``, no grad, strided, not quantized, not on the meta
-device) is written as a persistent id, an index into the payload's tensors.
+device) is written as an index into the payload's tensors (``_tensor_at``).
 After the structure is pickled, the tensors of one device and dtype are
 concatenated (one kernel on a GPU), copied off the device once, and written as
 one protocol-5 buffer per dtype beside the structure; each tensor is an offset
@@ -39,6 +39,7 @@ from __future__ import annotations
 import io
 import itertools
 import pickle
+import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -52,21 +53,37 @@ def _packable(obj: Any) -> bool:
 
 
 class _Pickler(_CompactPickler):
-    """nnsight's compact pickler; plain tensors become indices into ``self.tensors``."""
+    """nnsight's compact pickler; plain tensors become indices into ``self.tensors``.
+
+    A tensor is caught in ``reducer_override``, which pickle consults only for
+    objects that are not ints, floats, strings, bytes, lists, tuples, dicts or
+    sets: a ``persistent_id`` would be a Python call for every object, every
+    token id of every output included (6.5x plain pickle's time for 2,048
+    prefill outputs; docs/performance.md, "Session 16").
+    """
 
     def __init__(self, file: Any, protocol: int) -> None:
         super().__init__(file, protocol)
         self.tensors: list[torch.Tensor] = []
         self._index: dict[int, int] = {}
 
-    def persistent_id(self, obj: Any) -> Any:
+    def reducer_override(self, obj: Any) -> Any:
         if not _packable(obj):
-            return None
+            return super().reducer_override(obj)
         index = self._index.get(id(obj))
         if index is None:
             index = self._index[id(obj)] = len(self.tensors)
             self.tensors.append(obj)
-        return index
+        return _tensor_at, (index,)
+
+
+# The tensors of the payloads being loaded on this thread, innermost last (``_unpack``, ``_tensor_at``).
+_loading = threading.local()
+
+
+def _tensor_at(index: int) -> torch.Tensor:
+    """The ``index``-th tensor of the payload being loaded (what a packed tensor unpickles to)."""
+    return _loading.stack[-1][index]
 
 
 # A CPU storage is sent whole, its tensors as offsets into it, when they cover at least this share of it.
@@ -198,9 +215,12 @@ def _unpack(structure: bytes, buffers: list[tuple[Any, torch.dtype]], specs: lis
         for i, piece in zip(indices, pieces):
             shape = specs[i][3]
             tensors[i] = piece if len(shape) == 1 else piece.view(shape)
-    unpickler = pickle.Unpickler(io.BytesIO(structure))
-    unpickler.persistent_load = tensors.__getitem__
-    return unpickler.load()
+    stack = _loading.__dict__.setdefault("stack", [])
+    stack.append(tensors)
+    try:
+        return pickle.loads(structure)
+    finally:
+        stack.pop()
 
 
 class _Payload:
@@ -214,7 +234,7 @@ class _Payload:
 
 
 def _structure(value: Any) -> tuple[bytes, list[torch.Tensor]]:
-    """``value`` pickled with its plain tensors left out (persistent ids), and those tensors."""
+    """``value`` pickled with its plain tensors left out (indices, ``_tensor_at``), and those tensors."""
     buffer = io.BytesIO()
     pickler = _Pickler(buffer, pickle.HIGHEST_PROTOCOL)
     pickler.dump(value)

@@ -595,11 +595,15 @@ def test_a_long_call_renders_in_batches_of_about_a_step_each_added_before_the_ne
     """2,048 long prompts: the core steps on the first batch while the next is tokenized."""
     from nnsight_ray._internal import engine
 
-    assert engine.render_batches(["a" * 10] * 5, 25) == [range(0, 3), range(3, 5)]
-    assert engine.render_batches(["a" * 100, "b"], 25) == [range(0, 1), range(1, 2)]  # a long prompt alone
+    assert engine.render_batches(["a" * 5] * 5, 25) == [range(0, 5)]  # one step's worth: one batch
     assert engine.render_batches([{"prompt_token_ids": [1] * 5}, "x" * 5], 25) == [range(0, 2)]  # 20 + 5 chars
     assert engine.render_batches([], 25) == []
+    # Longer than a step: from about 1/8 of a step (4 of 32 characters), doubling up to a step.
+    assert engine.render_batches(["abcd"] * 40, 32) == [range(0, 1), range(1, 3), range(3, 7), range(7, 15),
+                                                         range(15, 23), range(23, 31), range(31, 39), range(39, 40)]
+    assert engine.render_batches(["a" * 100, "b"], 25) == [range(0, 1), range(1, 2)]  # a long prompt alone
     monkeypatch.setattr(engine, "RENDER_BATCH_CHARS", 6)
+    monkeypatch.setattr(engine, "RENDER_RAMP", 1)
 
     async def scenario():
         h = _rendering_harness(RenderingLLM())

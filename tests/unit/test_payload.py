@@ -192,3 +192,22 @@ def test_packed_collect_serializes_with_dumps_and_an_outer_choice_wins():
         with payload.packed():
             assert runner_module.dumps_compact(value) is value
     assert runner_module.dumps_compact is original and payload.collect_serializer() is original
+
+
+def test_only_objects_pickle_cannot_write_natively_reach_python(monkeypatch):
+    """A prefill output is mostly token ids: pickle writes ints, lists and strings itself; only the
+    other objects (here the tensor, and the function it reduces to, once) reach the pickler's Python hook."""
+    seen = []
+    monkeypatch.setattr(payload, "_packable", lambda obj: seen.append(type(obj)) or type(obj) is torch.Tensor)
+    value = {"ids": list(range(10_000)), "text": "x" * 100, "h": torch.ones(3), "pair": (1.5, None)}
+    loaded = pickle.loads(payload.dumps(value))
+    assert sorted(t.__name__ for t in seen) == ["Tensor", "function"]
+    assert loaded["ids"] == value["ids"] and torch.equal(loaded["h"], value["h"])
+
+
+def test_a_payload_inside_a_payload_loads_its_own_tensors():
+    inner = payload.Packed({"b": torch.full((2,), 7.0)})
+    value = [torch.zeros(3), inner, torch.ones(4)]
+    loaded = pickle.loads(payload.dumps(value))
+    assert torch.equal(loaded[0], torch.zeros(3)) and torch.equal(loaded[2], torch.ones(4))
+    assert torch.equal(loaded[1]["b"], torch.full((2,), 7.0))
