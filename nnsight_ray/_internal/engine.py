@@ -38,7 +38,7 @@ from typing import Any, Awaitable, Callable
 
 from ..errors import EngineDeadError, RequestError
 from . import metrics
-from .timeline import ADDED, ENDED, RENDER, SUBMIT, Timeline
+from .timeline import ADDED, COLLECT, ENDED, RENDER, SUBMIT, Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -444,6 +444,7 @@ class EngineCore:
             for report in wanted:
                 report.output, report.error = None, report.error or failure
         spent = time.perf_counter() - began
+        self.timeline.mark(COLLECT, len(ids), time.monotonic() - spent)
         stats = self.collect_stats
         stats["calls"] += 1
         stats["requests"] += len(ids)

@@ -19,7 +19,7 @@ SIZE = 16384
 
 # Event kinds. A step's value is its scheduled tokens and it carries its end time;
 # the engine actor's carry a count (prompts submitted, requests added, requests ended).
-STEP, SUBMIT, RENDER, ADDED, ENDED, GC = "step", "submit", "render", "added", "ended", "gc"
+STEP, SUBMIT, RENDER, ADDED, ENDED, COLLECT, GC = "step", "submit", "render", "added", "ended", "collect", "gc"
 
 # A garbage collection shorter than this is not recorded.
 GC_MIN_S = 0.002
@@ -95,6 +95,10 @@ def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterabl
                      + f", {small} under half full; tokens {tokens[:6]}{'...' if len(tokens) > 6 else ''}")
     if ends:
         parts.append(f"{sum(e[2] for e in ends)} ended by +{ms(ends[-1][3])}")
+    collects = [e for e in actor if e[1] == COLLECT]
+    if collects:
+        parts.append(f"collected {sum(e[2] for e in collects)} in {len(collects)} stash calls, the last "
+                     f"+{ms(collects[-1][0])}..+{ms(collects[-1][3])}")
     parts.append(f"result +{ms(ended)}")
     parts += [p for p in (_pauses(actor, "engine"), _pauses(rank, "rank")) if p]
     return "; ".join(parts)

@@ -1,5 +1,5 @@
 """The run timeline's summary (pure logic; the events come from the engine actor and a rank)."""
-from nnsight_ray._internal.timeline import ADDED, ENDED, GC, RENDER, STEP, SUBMIT, Timeline, summarize
+from nnsight_ray._internal.timeline import ADDED, COLLECT, ENDED, GC, RENDER, STEP, SUBMIT, Timeline, summarize
 
 
 def test_summary_reads_the_events_of_the_run_only():
@@ -26,11 +26,12 @@ def test_timeline_keeps_its_last_events_only():
 
 
 def test_summary_says_what_rendered_and_which_collections_paused_whom():
-    engine = [(10.0, SUBMIT, 4, 10.0), (10.0, RENDER, 4, 10.05), (10.06, GC, 2, 10.09)]
+    engine = [(10.0, SUBMIT, 4, 10.0), (10.0, RENDER, 4, 10.05), (10.06, GC, 2, 10.09), (10.21, COLLECT, 4, 10.25)]
     steps = [(10.1, STEP, 64, 10.2), (10.12, GC, 0, 10.125)]
     line = summarize(10.0, 10.3, engine, steps)
     assert "rendered 4 in 1 +0..+50 (longest 50)" in line
-    assert line.endswith("result +300; engine gc 1x 30 (longest 30); rank gc 1x 5 (longest 5)")
+    assert line.endswith("collected 4 in 1 stash calls, the last +210..+250; result +300; "
+                         "engine gc 1x 30 (longest 30); rank gc 1x 5 (longest 5)")
 
 
 def test_collections_are_recorded_with_their_generation(monkeypatch):
