@@ -38,6 +38,7 @@ from .merge import MergeBook, trace_saves
 from .ray_errors import cause
 from .options import NAMESPACE, PlacementPlan, RankPlacement, RankReservation, placement_group_name, plan_placement, \
     world_size
+from .timeline import with_gc
 from .topology import RankId
 
 logger = logging.getLogger(__name__)
@@ -348,7 +349,7 @@ class EngineActor:
         """This actor's submits, adds and ends, and each rank's steps, from ``since`` on (``timeline``)."""
         core = self._require_core()
         ranks = await core.rpc("nnsight_ray_step_timeline", (since,))
-        return {"engine": core.timeline.since(since), "ranks": ranks}
+        return {"engine": with_gc(core.timeline.since(since), since), "ranks": ranks}
 
     async def get_topology(self) -> list[dict[str, Any]]:
         return list(self.topology)

@@ -38,7 +38,7 @@ from typing import Any, Awaitable, Callable
 
 from ..errors import EngineDeadError, RequestError
 from . import metrics
-from .timeline import ADDED, COLLECT, ENDED, RENDER, SUBMIT, Timeline
+from .timeline import ADDED, COLLECT, ENDED, RENDER, SUBMIT, Timeline, watch_gc
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ class EngineCore:
         self.collect_stats = {"calls": 0, "requests": 0, "seconds": 0.0, "max_s": 0.0}
         # Submits, adds and ends, for a run's timeline (``timeline.summarize``).
         self.timeline = Timeline()
-        self.timeline.watch_gc()
+        watch_gc()
 
     # -- submit -------------------------------------------------------------
 

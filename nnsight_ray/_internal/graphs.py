@@ -42,7 +42,7 @@ from typing import Any, Iterable
 
 from ..errors import RequestError
 from .classes import extend
-from .timeline import STEP, Timeline
+from .timeline import STEP, Timeline, watch_gc
 
 ANY, PIECEWISE, EAGER = "any", "piecewise", "eager"
 TAPS_KEY = "nnsight_ray_taps"  # the tap patterns, in vLLM's additional_config
@@ -126,7 +126,7 @@ class StepModes:
         self.counts: collections.Counter = collections.Counter()
         # Each step's start, scheduled tokens and end (``RayVLLM.timeline``).
         self.timeline = Timeline()
-        self.timeline.watch_gc()
+        watch_gc()
 
     def record(self, mode: Any, forced: bool) -> None:
         name = getattr(mode, "name", str(mode))

@@ -179,8 +179,10 @@ class RankRPCMixin:
 
     def nnsight_ray_step_timeline(self, since: float = 0.0) -> list[tuple]:
         """This rank's steps that began at ``since`` (``time.monotonic``) or later (``timeline``)."""
+        from .timeline import with_gc
+
         modes = getattr(self.model_runner, "nnsight_ray_step_modes", None)
-        return modes.timeline.since(since) if modes is not None else []
+        return with_gc(modes.timeline.since(since) if modes is not None else [], since)
 
     def nnsight_ray_block_names(self) -> dict[str, int]:
         """How many source-cache entries of received blocks this rank holds (a leak gauge; see ``block_names``)."""

@@ -38,19 +38,33 @@ class Timeline:
     def since(self, t: float) -> list[tuple]:
         return [e for e in self.events if e[0] >= t]
 
-    def watch_gc(self) -> None:
-        """Record this process's garbage collections of ``GC_MIN_S`` or more (value: the generation)."""
-        import gc
+# This process's garbage collections of GC_MIN_S or more (value: the generation), once ``watch_gc`` ran.
+GC_EVENTS = Timeline()
+_gc_watched = False
 
-        started = [0.0]
 
-        def callback(phase: str, info: dict) -> None:
-            if phase == "start":
-                started[0] = time.monotonic()
-            elif time.monotonic() - started[0] >= GC_MIN_S:
-                self.mark(GC, info.get("generation", -1), started[0])
+def watch_gc() -> None:
+    """Record this process's long garbage collections in ``GC_EVENTS`` (idempotent: one callback a process)."""
+    global _gc_watched
+    if _gc_watched:
+        return
+    import gc
 
-        gc.callbacks.append(callback)
+    started = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.monotonic()
+        elif time.monotonic() - started[0] >= GC_MIN_S:
+            GC_EVENTS.mark(GC, info.get("generation", -1), started[0])
+
+    gc.callbacks.append(callback)
+    _gc_watched = True
+
+
+def with_gc(events: list[tuple], since: float) -> list[tuple]:
+    """``events`` and this process's long garbage collections from ``since`` on, by time."""
+    return sorted(events + GC_EVENTS.since(since), key=lambda e: e[0])
 
 
 def _pauses(events: list[tuple], who: str) -> str:

@@ -52,9 +52,23 @@ def _without_time(inputs):
 def test_batch_renders_what_vllm_renders_one_by_one(renderer):
     renderer, model_config = renderer
     one_by_one = renderer.render_cmpl(_parsed(model_config, PROMPTS), renderer.default_cmpl_tok_params)
-    batched = render_batch(renderer, _parsed(model_config, PROMPTS))
+    calls = []
+    tokenizer = renderer.get_tokenizer()
+
+    class Counting:  # the renderer's tokenizer, counting how it is called
+        def __call__(self, text, **kwargs):
+            calls.append(text)
+            return tokenizer(text, **kwargs)
+
+    real = renderer.get_tokenizer
+    renderer.get_tokenizer = Counting
+    try:
+        batched = render_batch(renderer, _parsed(model_config, PROMPTS))
+    finally:
+        renderer.get_tokenizer = real
     assert _without_time(batched) == _without_time(one_by_one)
-    assert [len(i["prompt_token_ids"]) for i in batched][:2] != [0, 0]  # it did tokenize
+    texts = [p for p in PROMPTS if isinstance(p, str)]
+    assert calls == [texts]  # every text prompt in one call, the token prompt in none
 
 
 def test_a_prompt_too_long_fails_in_both(renderer):

@@ -34,16 +34,18 @@ def test_summary_says_what_rendered_and_which_collections_paused_whom():
                          "engine gc 1x 30 (longest 30); rank gc 1x 5 (longest 5)")
 
 
-def test_collections_are_recorded_with_their_generation(monkeypatch):
+def test_collections_are_recorded_with_their_generation_once_per_process(monkeypatch):
     import gc
+    import time
 
     from nnsight_ray._internal import timeline as module
 
     monkeypatch.setattr(module, "GC_MIN_S", 0.0)  # record every one
-    timeline = Timeline()
-    timeline.watch_gc()
-    try:
-        gc.collect(2)
-    finally:
-        gc.callbacks.pop()
-    assert [e[2] for e in timeline.since(0.0) if e[1] == GC] == [2]
+    before = len(gc.callbacks)
+    module.watch_gc()
+    module.watch_gc()
+    assert len(gc.callbacks) <= before + 1
+    began = time.monotonic()
+    gc.collect(2)
+    events = module.with_gc([(began, STEP, 7, began)], began)
+    assert [e[2] for e in events if e[1] == GC][-1:] == [2] and events[0][1] == STEP
