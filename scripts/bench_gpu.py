@@ -227,7 +227,7 @@ class Bench:
             got = self.model.timeline(began)
         except Exception as error:  # a diagnostic: never fails the row
             return f"(no timeline: {type(error).__name__}: {error})"
-        return summarize(began, ended, got["engine"], got["ranks"][0] if got["ranks"] else [])
+        return summarize(began, ended, got["engine"], got["ranks"][0] if got["ranks"] else [], got.get("merges", []))
 
     def stop(self) -> None:
         if self.engine.startswith("ray") and self.model is not None:

@@ -38,7 +38,7 @@ from .merge import MergeBook, trace_saves
 from .ray_errors import cause
 from .options import NAMESPACE, PlacementPlan, RankPlacement, RankReservation, placement_group_name, plan_placement, \
     world_size
-from .timeline import with_gc
+from .timeline import FETCH, HANDED, MERGED, Timeline, watch_gc, with_gc
 from .topology import RankId
 
 logger = logging.getLogger(__name__)
@@ -153,6 +153,9 @@ class MergeActor:
                                  ping_timeout_s=PING_TIMEOUT_S, declared_wait_s=DECLARED_WAIT_S)
         self._sweeper: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
+        # Fetches, merges and hand-backs (``timeline``).
+        self.events = Timeline()
+        watch_gc()
         # A handle on a rank actor (set_ranks) loads the rank's class, whose
         # module imports vLLM: ~7 s on the engine's start-up path if left until
         # then. Import it now, while the engine actor is still starting vLLM.
@@ -183,7 +186,7 @@ class MergeActor:
     async def finish(self, reports: list[Report]) -> None:
         """Merge a batch of finished requests: one ``take_payloads`` per rank for all of them."""
         self._ensure_sweeper()
-        began = time.perf_counter()
+        began = time.monotonic()
         # Only collected requests left payloads on the ranks (engine.Report.collected).
         positions = [i for i, r in enumerate(reports) if r.collected]
         per_rank: list[list[bytes | None]] = [[None] * len(reports) for _ in self.ranks]
@@ -200,13 +203,17 @@ class MergeActor:
                 for row, payloads in zip(per_rank, taken):
                     for position, payload in zip(positions, payloads):
                         row[position] = payload
+            self.events.mark(FETCH, len(positions), began)
+        fetched = time.monotonic()
         self.book.arrive(reports, per_rank, failure)
-        metrics.observe("nnsight_collect_seconds", time.perf_counter() - began, stage="merge")
+        self.events.mark(MERGED, len(reports), fetched)
+        metrics.observe("nnsight_collect_seconds", time.monotonic() - began, stage="merge")
 
     async def outputs(self, group: str, size: int) -> list[Any]:
         """The group's ``RequestOutput``s, saves attached (raises the group's error)."""
         self._ensure_sweeper()
         state = await self.book.wait(group, size)
+        self.events.mark(HANDED, size)
         if state.error is not None:
             raise state.error
         from .payload import Packed  # Ray writes the saves with the fast tensor path
@@ -222,6 +229,7 @@ class MergeActor:
         """
         self._ensure_sweeper()
         state = await self.book.wait(group, size)
+        self.events.mark(HANDED, size)
         if state.error is not None:
             raise state.error
         from .payload import Packed
@@ -230,6 +238,10 @@ class MergeActor:
 
     async def stats(self) -> dict[str, Any]:
         return self.book.stats()
+
+    async def timeline(self, since: float = 0.0) -> list[tuple]:
+        """Fetches, merges and hand-backs from ``since`` (``time.monotonic``) on (``timeline``)."""
+        return with_gc(self.events.since(since), since)
 
 
 class EngineActor:
@@ -349,7 +361,9 @@ class EngineActor:
         """This actor's submits, adds and ends, and each rank's steps, from ``since`` on (``timeline``)."""
         core = self._require_core()
         ranks = await core.rpc("nnsight_ray_step_timeline", (since,))
-        return {"engine": with_gc(core.timeline.since(since), since), "ranks": ranks}
+        merges = await asyncio.gather(*(merge.timeline.remote(since) for merge in self.merges))
+        return {"engine": with_gc(core.timeline.since(since), since), "ranks": ranks,
+                "merges": sorted((tuple(e) for events in merges for e in events), key=lambda e: e[0])}
 
     async def get_topology(self) -> list[dict[str, Any]]:
         return list(self.topology)

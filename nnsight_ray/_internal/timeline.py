@@ -20,6 +20,8 @@ SIZE = 16384
 # Event kinds. A step's value is its scheduled tokens and it carries its end time;
 # the engine actor's carry a count (prompts submitted, requests added, requests ended).
 STEP, SUBMIT, RENDER, ADDED, ENDED, COLLECT, GC = "step", "submit", "render", "added", "ended", "collect", "gc"
+# The merge actors': payloads fetched from the ranks (value: requests), a batch merged, a result handed back.
+FETCH, MERGED, HANDED = "fetch", "merged", "handed"
 
 # A garbage collection shorter than this is not recorded.
 GC_MIN_S = 0.002
@@ -75,10 +77,12 @@ def _pauses(events: list[tuple], who: str) -> str:
     return f"{who} gc {len(gcs)}x {sum(e[3] - e[0] for e in gcs) * 1e3:,.0f} (longest {longest * 1e3:,.0f})"
 
 
-def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterable[tuple]) -> str:
+def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterable[tuple],
+              merges: Iterable[tuple] = ()) -> str:
     """One run's timeline in a line, times in ms from ``began`` (the caller's call) to ``ended`` (its result).
 
-    ``actor``: the engine actor's events; ``steps``: one rank's. "Between" is the
+    ``actor``: the engine actor's events; ``steps``: one rank's; ``merges``: the
+    merge actors' (fetches from the ranks, merges, results handed back). "Between" is the
     time from one step's end to the next one's start (the rank waiting for work);
     a step with under half the tokens of the run's largest counts as part-empty.
     """
@@ -113,7 +117,18 @@ def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterabl
     if collects:
         parts.append(f"collected {sum(e[2] for e in collects)} in {len(collects)} stash calls, the last "
                      f"+{ms(collects[-1][0])}..+{ms(collects[-1][3])}")
+    merges = [e for e in merges if began <= e[0] <= ended]
+    fetches = [e for e in merges if e[1] == FETCH]
+    if fetches:
+        parts.append(f"merge fetched {sum(e[2] for e in fetches)} in {len(fetches)}, the last "
+                     f"+{ms(fetches[-1][0])}..+{ms(fetches[-1][3])}")
+    merged = [e for e in merges if e[1] == MERGED]
+    if merged:
+        parts.append(f"merged by +{ms(merged[-1][3])}")
+    handed = [e for e in merges if e[1] == HANDED]
+    if handed:
+        parts.append(f"handed +{ms(handed[-1][3])}")
     parts.append(f"result +{ms(ended)}")
-    parts += [p for p in (_pauses(actor, "engine"), _pauses(rank, "rank")) if p]
+    parts += [p for p in (_pauses(actor, "engine"), _pauses(rank, "rank"), _pauses(merges, "merge")) if p]
     return "; ".join(parts)
 

@@ -1,5 +1,5 @@
 """The run timeline's summary (pure logic; the events come from the engine actor and a rank)."""
-from nnsight_ray._internal.timeline import ADDED, COLLECT, ENDED, GC, RENDER, STEP, SUBMIT, Timeline, summarize
+from nnsight_ray._internal.timeline import ADDED, COLLECT, ENDED, FETCH, GC, HANDED, MERGED, RENDER, STEP, SUBMIT, Timeline, summarize
 
 
 def test_summary_reads_the_events_of_the_run_only():
@@ -10,6 +10,12 @@ def test_summary_reads_the_events_of_the_run_only():
     assert line.startswith("submit +0; added 2 by +2..+4; 3 steps +10..+160, in steps 110, between 40")
     assert "median 20.0, max 30.0" in line and "1 under half full; tokens [256, 1024, 1024]" in line
     assert line.endswith("2 ended by +300; result +400")
+
+
+def test_summary_says_when_the_merge_fetched_merged_and_handed_back():
+    merges = [(10.2, FETCH, 64, 10.25), (10.25, MERGED, 64, 10.26), (10.3, HANDED, 64, 10.3), (9.0, FETCH, 1, 9.1)]
+    line = summarize(10.0, 10.4, [], [], merges)
+    assert line == "merge fetched 64 in 1, the last +200..+250; merged by +260; handed +300; result +400"
 
 
 def test_summary_of_a_run_with_no_events():
