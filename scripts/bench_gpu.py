@@ -596,7 +596,8 @@ def spy(bench: Bench, args: argparse.Namespace) -> None:
     for workload in [w for w in args.spy_workloads.split(",") if w in bench.workloads()]:
         run = getattr(bench, "run_" + workload.replace("-", "_"))
         before = bench.before(workload)
-        procs = engine_processes()
+        only = [n for n in args.spy_only.split(",") if n]
+        procs = {pid: name for pid, name in engine_processes().items() if not only or any(n in name for n in only)}
         spies = []
         for pid, name in procs.items():
             raw = out / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{bench.engine}-{workload}-{name}-{pid}.txt")
@@ -695,6 +696,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="after the workloads, loop each of --spy-workloads for S seconds under py-spy, "
                              "sampling every process of the engine, and print each process's top frames")
     parser.add_argument("--spy-workloads", default="generate")
+    parser.add_argument("--spy-only", default="", help="spy only the processes whose names contain one of these "
+                        "(comma-separated: MergeActor,EngineActor,NNsightRankProc,EngineCore,bench); all by default")
     parser.add_argument("--spy-dir", default="", help="where the raw py-spy profiles go")
     parser.add_argument("--spy-bin", default="", help="py-spy, where it is not on PATH")
     parser.add_argument("--kernel-profile", default="", metavar="DIR",
@@ -730,7 +733,7 @@ def main(argv: list[str] | None = None) -> None:
                  ("workloads", "prompts", "tokens", "traces", "repeats", "extract_prompts", "extract_len",
                   "shard_prompts", "shards_dir", "skip", "cpus_per_rank",
                   "gpu_memory_utilization", "profile", "spy", "spy_workloads", "spy_dir", "spy_bin",
-                  "spy_top", "kernel_profile", "kernel_profile_workloads")] + (["--keep-prefix-cache"] if args.keep_prefix_cache else [])
+                  "spy_top", "spy_only", "kernel_profile", "kernel_profile_workloads")] + (["--keep-prefix-cache"] if args.keep_prefix_cache else [])
     with tempfile.TemporaryDirectory() as scratch:
         for engine in engines:
             out = Path(scratch) / f"{engine}.json"
