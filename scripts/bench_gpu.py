@@ -33,6 +33,15 @@ steps whose blocks wait only on taps replay breakable graphs; raw saves, no
 clone). Each workload row of an nnsight_ray engine prints how its timed steps
 ran (``step_modes()``: ``graph``, ``piecewise``, ``eager_for_block``, ``eager``).
 
+Each workload row of a RayVLLM engine also prints its last run's timeline
+(``RayVLLM.timeline()``, ms from the call): the submit, the render batches,
+when the first and last request went into vLLM, the steps (how many, how many
+under half the largest, the rank's time in and between them, the first
+steps' tokens), the request ends, the stash collections, the merge actors'
+fetches, merges and hand-back, the result, and garbage collections of 2 ms or
+more per process. ``--spy S`` profiles with py-spy (``--spy-only`` names the
+processes: on 2 cores, sampling all of them slows a run several times).
+
 Engines: ``vllm-defaults`` (plain ``vllm.LLM`` as vLLM configures it: CUDA
 graphs on a GPU), ``vllm-eager`` (plain, ``enforce_eager=True``), ``vllm-mp`` and
 ``vllm-ray`` (plain, defaults, but the model in a worker process of vLLM's
