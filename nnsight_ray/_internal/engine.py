@@ -179,21 +179,42 @@ def render_batch(renderer: Any, parsed: list) -> list:
     tokenizer with the same ``get_encode_kwargs``, given the whole list at once,
     and ``_build_tokens_prompt``; ``render_cmpl`` then finds token ids and
     applies the rest as it always does (``apply_post_tokenization``: token
-    truncation and checks; the engine input). Anything else is left to it.
-    A prompt the pre-tokenization refuses fails the batch, which then renders
-    request by request (``EngineCore._start_rendered``), as any refused prompt does.
+    truncation and checks; the engine input). Anything else is left to it, and
+    so is the whole batch if the one call fails (a too-long prompt then fails
+    ``render_cmpl`` as it would alone, and the batch renders request by request,
+    ``EngineCore._start_rendered``, as any refused prompt does).
     """
     params = renderer.default_cmpl_tok_params
+    try:
+        tokenized = _tokenized_together(renderer, parsed, params)
+    except Exception:  # noqa: BLE001 - vLLM's own path below says what is wrong, prompt by prompt
+        logger.debug("tokenizing %d prompts in one call failed; vLLM's renderer tokenizes them", len(parsed),
+                     exc_info=True)
+        tokenized = parsed
+    return renderer.render_cmpl(tokenized, params)
+
+
+def _tokenized_together(renderer: Any, parsed: list, params: Any) -> list:
+    """``parsed`` with its plain text prompts as token prompts, tokenized in one call (``render_batch``).
+
+    Only a Hugging Face tokenizer (what ``render_cmpl`` calls with one string)
+    is given the list; any other kind of tokenizer leaves ``parsed`` as it is.
+    """
+    from transformers import PreTrainedTokenizerBase
+
     texts = [i for i, p in enumerate(parsed) if isinstance(p, dict) and set(p) == {"prompt"}
              and isinstance(p["prompt"], str)]
-    tokenizer = renderer.get_tokenizer() if texts and hasattr(renderer, "get_tokenizer") else None
-    if tokenizer is not None and not getattr(params, "return_token_offsets", False):
-        ready = [params.apply_pre_tokenization(renderer.tokenizer, dict(parsed[i])) for i in texts]
-        ids = tokenizer([p["prompt"] for p in ready], **params.get_encode_kwargs())["input_ids"]
-        parsed = list(parsed)
-        for i, prompt, token_ids in zip(texts, ready, ids):
-            parsed[i] = renderer._build_tokens_prompt(token_ids, prompt)
-    return renderer.render_cmpl(parsed, params)
+    if not texts or getattr(params, "return_token_offsets", False) or not hasattr(renderer, "get_tokenizer"):
+        return parsed
+    tokenizer = renderer.get_tokenizer()
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        return parsed
+    ready = [params.apply_pre_tokenization(renderer.tokenizer, dict(parsed[i])) for i in texts]
+    ids = tokenizer([p["prompt"] for p in ready], **params.get_encode_kwargs())["input_ids"]
+    tokenized = list(parsed)
+    for i, prompt, token_ids in zip(texts, ready, ids):
+        tokenized[i] = renderer._build_tokens_prompt(token_ids, prompt)
+    return tokenized
 
 
 @dataclass

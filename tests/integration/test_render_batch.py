@@ -55,13 +55,13 @@ def test_batch_renders_what_vllm_renders_one_by_one(renderer):
     calls = []
     tokenizer = renderer.get_tokenizer()
 
-    class Counting:  # the renderer's tokenizer, counting how it is called
+    class Counting(type(tokenizer)):  # the renderer's tokenizer, counting how it is called
         def __call__(self, text, **kwargs):
             calls.append(text)
             return tokenizer(text, **kwargs)
 
     real = renderer.get_tokenizer
-    renderer.get_tokenizer = Counting
+    renderer.get_tokenizer = lambda: Counting.__new__(Counting)
     try:
         batched = render_batch(renderer, _parsed(model_config, PROMPTS))
     finally:
@@ -79,3 +79,27 @@ def test_a_prompt_too_long_fails_in_both(renderer):
     with pytest.raises(type(vllm_says.value)) as ours:
         render_batch(renderer, _parsed(model_config, prompts))
     assert str(ours.value) == str(vllm_says.value)
+
+
+def test_a_tokenizer_that_is_not_hugging_faces_is_left_to_vllm(renderer, monkeypatch):
+    import transformers
+
+    renderer, model_config = renderer
+    calls = []
+    tokenizer = renderer.get_tokenizer()
+
+    class Counting(type(tokenizer)):
+        def __call__(self, text, **kwargs):
+            calls.append(text)
+            return tokenizer(text, **kwargs)
+
+    class Other:  # the class render_batch asks for: this tokenizer is not one
+        pass
+
+    monkeypatch.setattr(transformers, "PreTrainedTokenizerBase", Other)
+    monkeypatch.setattr(renderer, "get_tokenizer", lambda: Counting.__new__(Counting))
+    batched = render_batch(renderer, _parsed(model_config, PROMPTS[:3]))
+    assert calls == PROMPTS[:3]  # vLLM's renderer, one call per prompt
+    monkeypatch.undo()
+    one_by_one = renderer.render_cmpl(_parsed(model_config, PROMPTS[:3]), renderer.default_cmpl_tok_params)
+    assert _without_time(batched) == _without_time(one_by_one)
