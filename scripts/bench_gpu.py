@@ -42,6 +42,11 @@ fetches, merges and hand-back, the result, and garbage collections of 2 ms or
 more per process. ``--spy S`` profiles with py-spy (``--spy-only`` names the
 processes: on 2 cores, sampling all of them slows a run several times).
 
+Two versions of our code in one run: ``--tree old=DIR`` (a worktree of another
+commit) and an engine named ``ENGINE@old`` runs that engine's child with DIR
+first on ``PYTHONPATH`` (its Ray workers inherit it), beside the others:
+``--tree old=/tmp/old --engines vllm-defaults,ray-taps,ray-taps@old``.
+
 Engines: ``vllm-defaults`` (plain ``vllm.LLM`` as vLLM configures it: CUDA
 graphs on a GPU), ``vllm-eager`` (plain, ``enforce_eager=True``), ``vllm-mp`` and
 ``vllm-ray`` (plain, defaults, but the model in a worker process of vLLM's
@@ -230,11 +235,11 @@ class Bench:
         RayVLLM rows only (its actors run on this host, on this clock)."""
         if not self.engine.startswith("ray") or self.model is None:
             return ""
-        from nnsight_ray._internal.timeline import summarize
+        try:  # a diagnostic: never fails the row (an older tree, --tree, has none)
+            from nnsight_ray._internal.timeline import summarize
 
-        try:
             got = self.model.timeline(began)
-        except Exception as error:  # a diagnostic: never fails the row
+        except Exception as error:
             return f"(no timeline: {type(error).__name__}: {error})"
         return summarize(began, ended, got["engine"], got["ranks"][0] if got["ranks"] else [], got.get("merges", []))
 
@@ -632,6 +637,17 @@ def spy(bench: Bench, args: argparse.Namespace) -> None:
 # -- the parent: one child per engine, then the table -----------------------------------------------
 
 
+def engine_tree(engine: str, trees: list[str]) -> tuple[str, str | None]:
+    """``ENGINE@TAG`` -> (ENGINE, the DIR of ``--tree TAG=DIR``); a plain engine name -> (it, None)."""
+    if "@" not in engine:
+        return engine, None
+    base, tag = engine.split("@", 1)
+    found = dict(t.split("=", 1) for t in trees if "=" in t)
+    if tag not in found:
+        raise SystemExit(f"engine {engine}: no --tree {tag}=DIR")
+    return base, str(Path(found[tag]).resolve())
+
+
 def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
     def rate(engine: str, workload: str) -> float | None:
         got = results.get(engine, {}).get("workloads", {}).get(workload)
@@ -678,6 +694,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--engines", default=None)
+    parser.add_argument("--tree", action="append", default=[], metavar="TAG=DIR",
+                        help="another checkout of nnsight_ray (a worktree of an older commit): an engine named "
+                             "ENGINE@TAG runs with DIR first on PYTHONPATH, beside the others in the same run")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=None)
@@ -749,6 +768,10 @@ def main(argv: list[str] | None = None) -> None:
             command = [sys.executable, __file__, *forwarded, "--child", engine, "--child-json", str(out),
                        "--model-path", path, "--arch", args.arch, "--dtype", args.dtype]
             env = dict(os.environ)
+            base, tree = engine_tree(engine, args.tree)
+            if tree:
+                command[command.index("--child") + 1] = base
+                env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p])
             if engine == "local-profile":  # the engine core in the child, so the profile sees the runner
                 env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             began = time.perf_counter()
@@ -757,6 +780,7 @@ def main(argv: list[str] | None = None) -> None:
             except subprocess.TimeoutExpired:
                 code = "timeout"
             results[engine] = json.loads(out.read_text()) if out.exists() else {"engine": engine, "errors": {}}
+            results[engine]["engine"] = engine
             if code != 0:
                 results[engine].setdefault("errors", {})["process"] = f"exit {code} after {time.perf_counter() - began:.0f} s"
             if args.json:  # partial results survive a later engine's failure

@@ -32,3 +32,11 @@ def test_the_kv_cache_is_sized_by_platform_whether_or_not_a_kernel_profile_is_as
     assert ("profiler_config" in kwargs) is bool(kernel_profile)
     if kernel_profile:
         assert kwargs["profiler_config"].torch_profiler_dir == "/tmp/kp/ray"
+
+
+def test_an_engine_at_a_tag_runs_from_that_tree(bench_gpu, tmp_path):
+    """``--tree old=DIR --engines ray-taps,ray-taps@old``: the same engine from two checkouts in one run."""
+    assert bench_gpu.engine_tree("ray-taps", []) == ("ray-taps", None)
+    assert bench_gpu.engine_tree("ray-taps@old", [f"old={tmp_path}"]) == ("ray-taps", str(tmp_path.resolve()))
+    with pytest.raises(SystemExit, match="no --tree new=DIR"):
+        bench_gpu.engine_tree("ray@new", [f"old={tmp_path}"])
