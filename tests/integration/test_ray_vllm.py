@@ -268,6 +268,9 @@ def test_caller_that_dies_mid_request_leaks_nothing(ray_cluster, ray_tp1, tmp_pa
         model = RayVLLM.connect("tp1")
         with model.trace("Hello world", temperature=0.0, max_tokens=120, ignore_eos=True, blocking=False) as tracer:
             hidden = model.model.layers[2].output[0].clone().save()
+        # The submit is a fire-and-forget actor task: exiting at once could lose it inside this process
+        # (nothing would then exist to leak). A later task on the same handle is delivered after it.
+        ray.get(model.vllm_entrypoint.engine.ready.remote())
         os._exit(3)   # gone before the request finishes
     """))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
