@@ -70,11 +70,15 @@ def with_gc(events: list[tuple], since: float) -> list[tuple]:
 
 
 def _pauses(events: list[tuple], who: str) -> str:
-    gcs = [e for e in events if e[1] == GC]
+    gcs = _of(events, GC)
     if not gcs:
         return ""
     longest = max(e[3] - e[0] for e in gcs)
     return f"{who} gc {len(gcs)}x {sum(e[3] - e[0] for e in gcs) * 1e3:,.0f} (longest {longest * 1e3:,.0f})"
+
+
+def _of(events: list[tuple], kind: str) -> list[tuple]:
+    return [e for e in events if e[1] == kind]
 
 
 def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterable[tuple],
@@ -91,12 +95,12 @@ def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterabl
     rank = [e for e in steps if began <= e[0] <= ended]
     steps = sorted((e for e in rank if e[1] == STEP), key=lambda e: e[0])
     parts = []
-    submits = [e for e in actor if e[1] == SUBMIT]
-    adds = [e for e in actor if e[1] == ADDED]
-    ends = [e for e in actor if e[1] == ENDED]
+    submits = _of(actor, SUBMIT)
+    adds = _of(actor, ADDED)
+    ends = _of(actor, ENDED)
     if submits:
         parts.append(f"submit +{ms(submits[0][0])}")
-    renders = [e for e in actor if e[1] == RENDER]
+    renders = _of(actor, RENDER)
     if renders:
         parts.append(f"rendered {sum(e[2] for e in renders)} in {len(renders)} +{ms(renders[0][0])}..+{ms(renders[-1][3])} "
                      f"(longest {max(e[3] - e[0] for e in renders) * 1e3:,.0f})")
@@ -113,19 +117,19 @@ def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterabl
                      + f", {small} under half full; tokens {tokens[:6]}{'...' if len(tokens) > 6 else ''}")
     if ends:
         parts.append(f"{sum(e[2] for e in ends)} ended by +{ms(ends[-1][3])}")
-    collects = [e for e in actor if e[1] == COLLECT]
+    collects = _of(actor, COLLECT)
     if collects:
         parts.append(f"collected {sum(e[2] for e in collects)} in {len(collects)} stash calls, the last "
                      f"+{ms(collects[-1][0])}..+{ms(collects[-1][3])}")
     merges = [e for e in merges if began <= e[0] <= ended]
-    fetches = [e for e in merges if e[1] == FETCH]
+    fetches = _of(merges, FETCH)
     if fetches:
         parts.append(f"merge fetched {sum(e[2] for e in fetches)} in {len(fetches)}, the last "
                      f"+{ms(fetches[-1][0])}..+{ms(fetches[-1][3])}")
-    merged = [e for e in merges if e[1] == MERGED]
+    merged = _of(merges, MERGED)
     if merged:
         parts.append(f"merged by +{ms(merged[-1][3])}")
-    handed = [e for e in merges if e[1] == HANDED]
+    handed = _of(merges, HANDED)
     if handed:
         parts.append(f"handed +{ms(handed[-1][3])}")
     parts.append(f"result +{ms(ended)}")
