@@ -86,6 +86,14 @@ def test_nnsight_keywords_are_taken_and_prefix_caching_is_off_by_default(ray_tp1
         edit.clear()
 
 
+def test_the_engine_actor_freezes_its_startup_heap(ray_tp1):
+    """The engine actor freezes its startup heap once the engine is up, as vLLM's API server does:
+    a full collection then skips torch's, vLLM's and Ray's objects (one paused a large submit 0.5 s)."""
+    health = ray_tp1.health()
+    assert health["alive"], health
+    assert health["gc_frozen"] > 100_000, health["gc_frozen"]  # torch + vLLM + Ray: millions of objects
+
+
 def test_a_raising_non_blocking_trace_raises_its_type_here_and_in_a_task(ray_tp1, local_llama):
     """``ray.get(tracer.ref)`` raises the intervention's error, typed, as a Ray task error does."""
     with ray_tp1.trace("Hello world", temperature=0.0, max_tokens=1, blocking=False) as tracer:
