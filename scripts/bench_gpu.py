@@ -50,7 +50,8 @@ first on ``PYTHONPATH`` (its Ray workers inherit it), beside the others:
 Engines: ``vllm-defaults`` (plain ``vllm.LLM`` as vLLM configures it: CUDA
 graphs on a GPU), ``vllm-eager`` (plain, ``enforce_eager=True``), ``vllm-mp`` and
 ``vllm-ray`` (plain, defaults, but the model in a worker process of vLLM's
-multiprocessing or Ray executor, as ours is; ``vllm-ray`` is GPU only), nnsight's own
+multiprocessing or Ray executor, as ours is; ``vllm-ray`` is GPU only), ``vllm-mp-eager``
+(the same worker process, eager: the control row for the eager engines), nnsight's own
 ``VLLM`` eager (``nnsight-eager``) and with ``taps`` (``nnsight-taps``: CUDA
 graphs with nnsight's handoff recorded at the tapped layers; its saves are
 cloned, as its docs require), ``local`` (``LocalVLLM``), ``ray`` (``RayVLLM``,
@@ -108,7 +109,7 @@ ENGINES = ("vllm-defaults", "vllm-eager", "nnsight-eager", "nnsight-taps", "loca
 GRAPH_ENGINES = ("local-graphs", "ray-graphs", "local-taps", "ray-taps")
 # Plain vLLM, and plain vLLM with its step handed to a worker process as ours is (control rows: what the
 # hand-off between engine core and worker costs without nnsight): vLLM's multiprocessing and Ray executors.
-PLAIN = ("vllm-defaults", "vllm-eager", "vllm-mp", "vllm-ray")
+PLAIN = ("vllm-defaults", "vllm-eager", "vllm-mp", "vllm-mp-eager", "vllm-ray")
 WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "extract", "prefill", "shards")
 
 
@@ -183,6 +184,7 @@ class Bench:
             from vllm import LLM
 
             extra = {"vllm-eager": {"enforce_eager": True}, "vllm-mp": {"distributed_executor_backend": "mp"},
+                     "vllm-mp-eager": {"distributed_executor_backend": "mp", "enforce_eager": True},
                      "vllm-ray": {"distributed_executor_backend": "ray"}}.get(self.engine, {})
             self.llm = LLM(path, **kwargs, **extra)
             from nnsight_ray._internal.parity import config_summary
