@@ -18,9 +18,10 @@ On the rank:
    nnsight engine, so a new request's whole prompt is in its first step).
    Steps with none cost a scan of the step's new requests.
 2. A PyTorch forward hook on each asked module (installed once, inert when no
-   step is capturing) takes those rows of the module's output with one
-   ``index_select`` (a copy: vLLM's CUDA kernels later update a layer's output
-   in place, the copy is what the layer produced), casts it to the asked dtype
+   step is capturing) takes those rows of the module's output as one copy
+   (a span's view copied when the step's captured rows are contiguous, as in a
+   dataset run, else one ``index_select``; a copy because vLLM's CUDA kernels
+   later update a layer's output in place), casts it to the asked dtype
    and starts its copy to pinned host memory without waiting.
 3. After the forward, the step's copies and a CUDA event go to this process's
    writer thread, which waits on the event and files each request's rows under
@@ -114,13 +115,36 @@ def request_args(part: str, index: int, directory: str, locations: list[str], dt
     return {KEY: {"part": part, "index": int(index), "dir": directory, "locations": list(locations), "dtype": dtype}}
 
 
-def capture(output: Any, rows: torch.Tensor) -> torch.Tensor:
+def capture(output: Any, rows: "torch.Tensor | range") -> torch.Tensor:
     """``rows`` of a module output's residual stream (``interventions.residual_parts``: what the
-    batch runner's Parquet saves read), as a copy; each part is narrowed before the sum."""
+    batch runner's Parquet saves read), as a copy; each part is narrowed before the sum.
+
+    ``rows`` is a ``range`` when the step's captured rows are one span (every request of the
+    step asks for extraction, as in a dataset run): views of the span, then one copy, no index.
+    """
     from ..batch.interventions import residual_parts
 
+    if isinstance(rows, range):
+        parts = [part.narrow(0, rows.start, len(rows)) for part in residual_parts(output)]
+        return parts[0] + parts[1] if len(parts) == 2 else parts[0].clone()
     parts = [part.index_select(0, rows) for part in residual_parts(output)]
     return parts[0] + parts[1] if len(parts) == 2 else parts[0]
+
+
+def row_index(spans: list[tuple[int, int]], device: Any) -> "torch.Tensor | range":
+    """The flattened-batch rows of ``spans`` (``(first row, count)`` in batch order) for ``capture``.
+
+    One contiguous span is a ``range``. Otherwise an index tensor on ``device``, copied from
+    pinned memory without waiting: a copy from pageable memory would wait for every kernel
+    queued before it (the previous step's forward) on the thread that launches this one.
+    """
+    if spans and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])):
+        return range(spans[0][0], spans[-1][0] + spans[-1][1])
+    rows = torch.cat([torch.arange(a, a + n, dtype=torch.long) for a, n in spans]) if spans \
+        else torch.empty(0, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return rows.pin_memory().to(device, non_blocking=True)
+    return rows.to(device)
 
 
 FORMAT = "nnsight_ray.activations/1"
@@ -184,7 +208,7 @@ def safetensors_complete(path: str) -> bool:
 class StepCapture:
     """One step's extraction: which rows, and the host copies of each location's rows."""
 
-    rows: torch.Tensor  # flattened-batch row of every captured token, on the model's device
+    rows: "torch.Tensor | range"  # flattened-batch rows of every captured token (``row_index``)
     requests: list[tuple[str, int, int, list[int], dict[str, Any]]]  # (request id, first row, tokens, ids, spec)
     dtype: torch.dtype | None
     values: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -406,7 +430,8 @@ class ExtractRunnerMixin:
 
     def _extract_plan(self, scheduler_output: Any, asking: dict[str, tuple[Any, dict]]) -> None:
         tokens = scheduler_output.num_scheduled_tokens
-        rows: list[int] = []
+        spans: list[tuple[int, int]] = []
+        captured = 0
         requests = []
         start = 0
         dtype = None
@@ -418,8 +443,9 @@ class ExtractRunnerMixin:
                 data, spec = asking[rid]
                 ids = list(data.prompt_token_ids or [])
                 if data.num_computed_tokens == 0 and count == len(ids):
-                    rows.extend(range(start, start + count))
-                    requests.append((rid, len(rows) - count, count, ids, spec))
+                    spans.append((start, count))
+                    requests.append((rid, captured, count, ids, spec))
+                    captured += count
                     dtype = spec.get("dtype") or dtype
                     self._extract_seen.add(rid)
                     for location in spec["locations"]:
@@ -430,7 +456,7 @@ class ExtractRunnerMixin:
             start += count
         if requests:
             device = self.device if hasattr(self, "device") else "cpu"
-            self._extract_step = StepCapture(torch.tensor(rows, dtype=torch.long, device=device), requests,
+            self._extract_step = StepCapture(row_index(spans, device), requests,
                                              DTYPES.get(dtype) if dtype else None)
 
     def _extract_hook(self, location: str) -> None:
