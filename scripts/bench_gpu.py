@@ -44,7 +44,8 @@ processes: on 2 cores, sampling all of them slows a run several times).
 
 Two versions of our code in one run: ``--tree old=DIR`` (a worktree of another
 commit) and an engine named ``ENGINE@old`` runs that engine's child with DIR
-first on ``PYTHONPATH`` (its Ray workers inherit it), beside the others:
+first on ``PYTHONPATH`` and DIR its working directory (Ray puts the driver's working directory
+first on its workers' path, so the actors import DIR's code too), beside the others:
 ``--tree old=/tmp/old --engines vllm-defaults,ray-taps,ray-taps@old``.
 
 Engines: ``vllm-defaults`` (plain ``vllm.LLM`` as vLLM configures it: CUDA
@@ -757,7 +758,11 @@ def main(argv: list[str] | None = None) -> None:
     args.device = f"GPU {torch.cuda.get_device_name()}" if on_gpu else "CPU"
     engines = (args.engines.split(",") if args.engines else
                [e for e in ENGINES if on_gpu or not e.startswith("nnsight-")])
-    path = str(ensure_model(args.model_dir or Path(tempfile.gettempdir()) / f"bench-{args.arch}", arch=args.arch))
+    path = str(Path(ensure_model(args.model_dir or Path(tempfile.gettempdir()) / f"bench-{args.arch}",
+                                 arch=args.arch)).resolve())
+    for key in ("shards_dir", "spy_dir", "spy_bin", "kernel_profile"):  # a tree's child runs in that tree
+        if getattr(args, key):
+            setattr(args, key, str(Path(getattr(args, key)).resolve()))
     results: dict[str, dict] = {}
     forwarded = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in
                  ("workloads", "prompts", "tokens", "traces", "repeats", "extract_prompts", "extract_len",
@@ -767,18 +772,20 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for engine in engines:
             out = Path(scratch) / f"{engine}.json"
-            command = [sys.executable, __file__, *forwarded, "--child", engine, "--child-json", str(out),
+            command = [sys.executable, str(Path(__file__).resolve()), *forwarded, "--child", engine, "--child-json", str(out),
                        "--model-path", path, "--arch", args.arch, "--dtype", args.dtype]
             env = dict(os.environ)
             base, tree = engine_tree(engine, args.tree)
             if tree:
                 command[command.index("--child") + 1] = base
                 env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p])
+            # Ray puts its driver's working directory first on every worker's sys.path, so a tree's
+            # child runs in that tree: otherwise its actors would import this checkout's nnsight_ray.
             if engine == "local-profile":  # the engine core in the child, so the profile sees the runner
                 env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             began = time.perf_counter()
             try:
-                code = subprocess.run(command, timeout=args.timeout, env=env).returncode
+                code = subprocess.run(command, timeout=args.timeout, env=env, cwd=tree).returncode
             except subprocess.TimeoutExpired:
                 code = "timeout"
             results[engine] = json.loads(out.read_text()) if out.exists() else {"engine": engine, "errors": {}}
