@@ -19,6 +19,7 @@ Names, in the ``nnsight_ray`` namespace, for a deployment called ``<name>``::
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import threading
@@ -382,7 +383,8 @@ class EngineActor:
     async def health(self) -> dict[str, Any]:
         """Alive only if every actor of the deployment is: the engine, each merge actor, each rank."""
         core = self._require_core()
-        return await self.watch.health(core, time.monotonic() - self.started)
+        # This process's frozen startup heap (``start``), beside the deployment's liveness.
+        return {**await self.watch.health(core, time.monotonic() - self.started), "gc_frozen": gc.get_freeze_count()}
 
     async def shutdown(self) -> None:
         # The executor releases the rank placement group; if vLLM stopped its

@@ -124,11 +124,12 @@ def capture(output: Any, rows: "torch.Tensor | range") -> torch.Tensor:
     """
     from ..batch.interventions import residual_parts
 
-    if isinstance(rows, range):
-        parts = [part.narrow(0, rows.start, len(rows)) for part in residual_parts(output)]
-        return parts[0] + parts[1] if len(parts) == 2 else parts[0].clone()
-    parts = [part.index_select(0, rows) for part in residual_parts(output)]
-    return parts[0] + parts[1] if len(parts) == 2 else parts[0]
+    span = isinstance(rows, range)
+    parts = [part.narrow(0, rows.start, len(rows)) if span else part.index_select(0, rows)
+             for part in residual_parts(output)]
+    if len(parts) == 2:
+        return parts[0] + parts[1]
+    return parts[0].clone() if span else parts[0]  # a view is copied; index_select already copied
 
 
 def row_index(spans: list[tuple[int, int]], device: Any) -> "torch.Tensor | range":

@@ -21,7 +21,6 @@ them on fake tables, fake clocks and fake pings.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -387,8 +386,7 @@ class DeathWatch:
             error = dead_message(states, await self.cluster.offload(self.cluster.alive_nodes))
         return {"alive": error is None, "error": error,
                 "actors": as_dicts(states), "uptime_s": uptime_s,
-                "collect": dict(core.collect_stats), "core_pids": [p.pid for p in self.core_processes()],
-                "gc_frozen": gc.get_freeze_count()}
+                "collect": dict(core.collect_stats), "core_pids": [p.pid for p in self.core_processes()]}
 
 
 class EngineWatch:
