@@ -425,6 +425,11 @@ class Bench:
         expect(saved >= rows * len(locations) * self.hidden * 2, f"{saved} bytes for {rows} rows")
         print(f"[{self.engine}] shards: {len(written)} files, {saved / 1e6:,.0f} MB; RSS MB "
               + ", ".join(f"{name} {mb:,.0f}" for name, mb in resident().items()), flush=True)
+        try:  # a diagnostic: an older tree (--tree) has no such call
+            held = engine.collective_rpc("nnsight_ray_extract_memory")
+            print(f"[{self.engine}] shards: ranks hold {held}", flush=True)
+        except Exception as error:  # noqa: BLE001
+            print(f"[{self.engine}] shards: no extraction memory gauge ({type(error).__name__})", flush=True)
         return rows, saved
 
 

@@ -110,6 +110,24 @@ def release_pinned_cache() -> None:
         torch.accelerator.empty_host_cache()
 
 
+def memory() -> dict[str, Any]:
+    """What this process holds for extraction: parts not yet committed, files being written, and (on CUDA)
+    PyTorch's pinned host cache: bytes it holds (``pinned_mb``), in use (``pinned_active_mb``), blocks
+    page-locked so far and the time that took (``torch.cuda.memory.host_memory_stats``). A gauge for
+    the rank's memory over a long run (docs/performance.md, "Activation datasets")."""
+    found: dict[str, Any] = {"parts": 0, "writing": 0}
+    if _writer is not None:
+        with _writer.writing_lock:
+            found.update(parts=len(_writer.parts), writing=_writer.writing)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats = torch.cuda.memory.host_memory_stats()
+        found.update(pinned_mb=stats.get("allocated_bytes.current", 0) / 1e6,
+                     pinned_active_mb=stats.get("active_bytes.current", 0) / 1e6,
+                     pinned_allocs=stats.get("num_host_alloc", 0), pinned_frees=stats.get("num_host_free", 0),
+                     pinned_alloc_s=stats.get("host_alloc_time.total", 0) / 1e6)
+    return found
+
+
 def request_args(part: str, index: int, directory: str, locations: list[str], dtype: str | None) -> dict[str, Any]:
     """What one request puts under ``extra_args[KEY]`` (see ``RemoteEngine.extract_async``)."""
     return {KEY: {"part": part, "index": int(index), "dir": directory, "locations": list(locations), "dtype": dtype}}

@@ -184,6 +184,12 @@ class RankRPCMixin:
         modes = getattr(self.model_runner, "nnsight_ray_step_modes", None)
         return with_gc(modes.timeline.since(since) if modes is not None else [], since)
 
+    def nnsight_ray_extract_memory(self) -> dict[str, Any]:
+        """What this rank holds for activation extraction (``extract.memory``)."""
+        from .extract import memory
+
+        return memory()
+
     def nnsight_ray_block_names(self) -> dict[str, int]:
         """How many source-cache entries of received blocks this rank holds (a leak gauge; see ``block_names``)."""
         from .block_names import held

@@ -85,3 +85,15 @@ def test_row_index_is_a_span_when_the_rows_are_contiguous_and_an_index_otherwise
         assert torch.equal(alone, hidden[rows])
         alone.add_(1)  # a copy: the model's tensor is untouched
         assert torch.equal(hidden[rows] + 1, alone)
+
+
+def test_the_memory_gauge_counts_held_parts_until_they_are_committed(tmp_path, monkeypatch):
+    """``extract.memory`` (a rank's ``nnsight_ray_extract_memory``) reports this process's writer."""
+    writer = extract.Writer(0, 1, True)
+    monkeypatch.setattr(extract, "_writer", writer)
+    _capture(writer, "a", tmp_path)
+    _capture(writer, "b", tmp_path)
+    assert extract.memory()["parts"] == 2
+    writer.submit("commit", ("a", False))
+    writer.submit("commit", ("b", False))
+    assert extract.memory() == {"parts": 0, "writing": 0}  # no CUDA here: no pinned figures
