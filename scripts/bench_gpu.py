@@ -47,6 +47,10 @@ commit) and an engine named ``ENGINE@old`` runs that engine's child with DIR
 first on ``PYTHONPATH`` and DIR its working directory (Ray puts the driver's working directory
 first on its workers' path, so the actors import DIR's code too), beside the others:
 ``--tree old=/tmp/old --engines vllm-defaults,ray-taps,ray-taps@old``.
+One engine under other settings in the same run: ``--env hostreg=PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True``
+(repeat ``--env`` for several variables of one tag) and an engine named ``ENGINE%hostreg`` runs that
+engine's child with those variables set (its Ray cluster, started by the child, hands them to every
+actor): ``--engines ray,ray%hostreg``.
 
 Engines: ``vllm-defaults`` (plain ``vllm.LLM`` as vLLM configures it: CUDA
 graphs on a GPU), ``vllm-eager`` (plain, ``enforce_eager=True``), ``vllm-mp`` and
@@ -656,6 +660,24 @@ def engine_tree(engine: str, trees: list[str]) -> tuple[str, str | None]:
     return base, str(Path(found[tag]).resolve())
 
 
+def engine_env(engine: str, settings: list[str]) -> tuple[str, dict[str, str]]:
+    """``ENGINE%TAG`` -> (ENGINE, the variables of every ``--env TAG=NAME=VALUE``); a plain name -> (it, {})."""
+    if "%" not in engine:
+        return engine, {}
+    base, tag = engine.rsplit("%", 1)
+    found = {}
+    for setting in settings:
+        mine, _, assignment = setting.partition("=")
+        name, equals, value = assignment.partition("=")
+        if not equals:
+            raise SystemExit(f"--env {setting}: expected TAG=NAME=VALUE")
+        if mine == tag:
+            found[name] = value
+    if not found:
+        raise SystemExit(f"engine {engine}: no --env {tag}=NAME=VALUE")
+    return base, found
+
+
 def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
     def rate(engine: str, workload: str) -> float | None:
         got = results.get(engine, {}).get("workloads", {}).get(workload)
@@ -705,6 +727,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tree", action="append", default=[], metavar="TAG=DIR",
                         help="another checkout of nnsight_ray (a worktree of an older commit): an engine named "
                              "ENGINE@TAG runs with DIR first on PYTHONPATH, beside the others in the same run")
+    parser.add_argument("--env", action="append", default=[], metavar="TAG=NAME=VALUE",
+                        help="an environment variable for the engines named ENGINE%%TAG (repeatable)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=None)
@@ -779,14 +803,17 @@ def main(argv: list[str] | None = None) -> None:
             out = Path(scratch) / f"{engine}.json"
             command = [sys.executable, str(Path(__file__).resolve()), *forwarded, "--child", engine, "--child-json", str(out),
                        "--model-path", path, "--arch", args.arch, "--dtype", args.dtype]
-            env = dict(os.environ)
-            base, tree = engine_tree(engine, args.tree)
+            plain, extra = engine_env(engine, args.env)
+            env = {**os.environ, **extra}
+            base, tree = engine_tree(plain, args.tree)
+            command[command.index("--child") + 1] = base
             if tree:
-                command[command.index("--child") + 1] = base
                 env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p])
             # Ray puts its driver's working directory first on every worker's sys.path, so a tree's
             # child runs in that tree: otherwise its actors would import this checkout's nnsight_ray.
-            if engine == "local-profile":  # the engine core in the child, so the profile sees the runner
+            if extra:
+                print(f"[{engine}] the {base} engine with {extra}", flush=True)
+            if base == "local-profile":  # the engine core in the child, so the profile sees the runner
                 env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             began = time.perf_counter()
             try:

@@ -40,3 +40,17 @@ def test_an_engine_at_a_tag_runs_from_that_tree(bench_gpu, tmp_path):
     assert bench_gpu.engine_tree("ray-taps@old", [f"old={tmp_path}"]) == ("ray-taps", str(tmp_path.resolve()))
     with pytest.raises(SystemExit, match="no --tree new=DIR"):
         bench_gpu.engine_tree("ray@new", [f"old={tmp_path}"])
+
+
+def test_an_engine_with_a_percent_tag_runs_with_that_tags_variables(bench_gpu):
+    settings = ["reg=PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
+                "reg=NNSIGHT_RAY_EXTRACT_WRITERS=8", "other=X=1"]
+    assert bench_gpu.engine_env("ray", settings) == ("ray", {})
+    assert bench_gpu.engine_env("ray%reg", settings) == ("ray", {
+        "PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
+        "NNSIGHT_RAY_EXTRACT_WRITERS": "8"})
+    assert bench_gpu.engine_env("ray-taps@old%other", settings) == ("ray-taps@old", {"X": "1"})
+    with pytest.raises(SystemExit):
+        bench_gpu.engine_env("ray%none", settings)
+    with pytest.raises(SystemExit):
+        bench_gpu.engine_env("ray%bad", ["bad=NOVALUE"])
