@@ -22,18 +22,31 @@ On the rank:
    (a span's view copied when the step's captured rows are contiguous, as in a
    dataset run, else one ``index_select``; a copy because vLLM's CUDA kernels
    later update a layer's output in place), casts it to the asked dtype
-   and starts its copy to pinned host memory without waiting.
+   and starts its copy into this process's staging ring (a fixed page-locked
+   buffer, ``PinnedRing``) without waiting.
 3. After the forward, the step's copies and a CUDA event go to this process's
-   writer thread, which waits on the event and files each request's rows under
-   its part.
+   writer thread, which waits on the event, copies the step's rows out of the
+   ring into host buffers mapped for them (``host_buffer``: unmapped, so
+   returned to the system, once the last file holding their rows is
+   written), frees the step's span of the ring and files each request's rows
+   under its part.
 4. ``commit(part)`` (the driver's call on the rank actor, second actor thread)
    queues behind every capture before it, then writes the part's rows, sorted
    by prompt index and position, as one safetensors file (temp file +
    rename), straight from the pinned buffers (``write_safetensors``), and
    answers with what it wrote.
 
-So a value is copied twice after the forward: device rows -> pinned host
-memory (on a side CUDA stream, overlapping the next layers), host -> file.
+So a value is copied three times after the forward: device rows -> the ring
+(on a side CUDA stream, overlapping the next layers), ring -> its host buffer
+(a pool of copier threads), host buffer -> file. The middle copy buys a rank
+whose memory does not grow: the page-locked memory is the ring, allocated
+once, and what waits for a commit is in buffers that go back to the system
+when written. Before, the rows stayed in PyTorch's cached pinned blocks until
+written, and that cache (never returned while work goes on, sizes rounded to
+powers of two) ratcheted up to the most a run ever held: the rank's RSS grew
+4.4 -> 5.7 GB over 11 runs on the H200 (docs/performance.md).
+``NNSIGHT_RAY_EXTRACT_STAGING=cache`` keeps that path, for comparison. On the
+CPU build the rows are computed straight into their host buffer.
 
 Only the first tensor-parallel rank of each pipeline stage writes (a layer's
 output is whole on every TP rank); with pipeline stages each stage writes its
@@ -42,8 +55,10 @@ own layers' file of the part, with the same row order (``part.stageK``).
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
+import mmap
 import os
 import queue
 import threading
@@ -63,6 +78,13 @@ PART_TTL_S = float(os.environ.get("NNSIGHT_RAY_EXTRACT_TTL_S", "900"))
 WRITER_THREADS = int(os.environ.get("NNSIGHT_RAY_EXTRACT_WRITERS", "4"))
 # Cached pinned blocks go back once the writer has had nothing to do for this long (0: at once).
 PINNED_IDLE_S = float(os.environ.get("NNSIGHT_RAY_EXTRACT_PINNED_IDLE_S", "5"))
+# "ring": a fixed page-locked staging ring, rows held in mapped host buffers (default); "cache": rows held
+# in PyTorch's cached pinned blocks until written (before; for comparison).
+STAGING = os.environ.get("NNSIGHT_RAY_EXTRACT_STAGING", "ring")
+# The staging ring's size; at least twice the largest step a rank can capture (``ensure_ring``).
+RING_MB = int(os.environ.get("NNSIGHT_RAY_EXTRACT_RING_MB", "1024"))
+COPIER_THREADS = int(os.environ.get("NNSIGHT_RAY_EXTRACT_COPIERS", "4"))
+COPY_CHUNK_BYTES = 8 << 20  # a copier's piece of a step's rows
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -97,28 +119,131 @@ def release_freed_memory() -> None:
 def release_pinned_cache() -> None:
     """Give PyTorch's cached pinned host blocks back (``torch.accelerator.empty_host_cache``); no-op without CUDA.
 
-    Captured rows are copied into pinned blocks from PyTorch's caching host
-    allocator, which keeps every freed block (sizes rounded up to a power of
-    two) for reuse: on the H200 the writing rank's RSS grew 7.1 -> 9.5 GB over
-    4 runs with every prompt in flight (docs/performance.md). Called once the
-    writer has been idle (nothing held, nothing being written) for
-    ``PINNED_IDLE_S``: returning pinned memory waits for the device, and
-    pinning it again costs more (page-locking every page, on the thread that
-    runs the forward), so work that goes on keeps its blocks.
+    The staging ring (and a step too large for it) comes from PyTorch's
+    caching host allocator, which keeps every freed block (sizes rounded up
+    to a power of two) for reuse: with rows held there until written, the
+    writing rank's RSS grew 7.1 -> 9.5 GB over 4 runs on the H200 with every
+    prompt in flight (docs/performance.md). Called once the writer has been
+    idle (nothing held, nothing being written) for ``PINNED_IDLE_S``, after it
+    drops its ring: returning pinned memory waits for the device, and pinning
+    it again costs more (page-locking every page, on the thread that runs the
+    forward), so work that goes on keeps its ring.
     """
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.accelerator.empty_host_cache()
 
 
+class _Mapped(mmap.mmap):
+    """An anonymous mapping that counts itself in ``_mapped`` while alive (the memory gauge)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__()
+        with _mapped_lock:
+            _mapped[0] += len(self)
+
+    def __del__(self) -> None:
+        with _mapped_lock:
+            _mapped[0] -= len(self)
+
+
+_mapped = [0]  # bytes of host buffers alive
+_mapped_lock = threading.Lock()
+
+
+def host_buffer(shape: "tuple[int, ...] | torch.Size", dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor in its own anonymous mapping, unmapped (returned to the system) when its last view dies.
+
+    Not from the heap: glibc keeps freed blocks below its (self-raising) mmap threshold, so a
+    rank that holds and frees gigabytes of rows a run kept growing (docs/performance.md). Asks
+    for transparent huge pages: copying into fresh 4 KiB pages measured 2.5-3.5 GB/s, into
+    huge pages 8-11 GB/s (the 2-core dev machine, THP ``madvise``).
+    """
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    mapping = _Mapped(-1, nbytes)
+    if nbytes >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP off, or not Linux
+            pass
+    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
+
+
+class PinnedRing:
+    """A fixed page-locked buffer that a rank's captures are copied into from the device, first in, first out.
+
+    The forward's hooks take spans (``take``), the writer thread gives each step's spans back once
+    it has copied them out (``give``), in the order taken. A hook waits while the ring is full of
+    earlier steps' rows (the forward slows to the writer's pace: back-pressure, not growth); a
+    step that does not fit even alone gets a one-off pinned block (``take`` returns None).
+    """
+
+    ALIGN = 4096
+
+    def __init__(self, nbytes: int, pin: bool = True) -> None:
+        self.size = nbytes
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.spans: collections.deque[tuple[int, int, int]] = collections.deque()  # (start, end, step), taken order
+        self.cond = threading.Condition()
+        self.waited_s = 0.0
+
+    def used(self) -> int:
+        with self.cond:
+            return sum(end - start for start, end, _ in self.spans)
+
+    def _place(self, nbytes: int) -> int | None:
+        if not self.spans:
+            return 0 if nbytes <= self.size else None
+        first, last = self.spans[0][0], self.spans[-1][1]
+        if self.spans[-1][0] >= first:  # not wrapped: free after the last span, then before the first
+            if self.size - last >= nbytes:
+                return last
+            return 0 if first >= nbytes else None
+        return last if first - last >= nbytes else None  # wrapped: free between the last and the first
+
+    def take(self, shape: "torch.Size", dtype: torch.dtype, step: int, timeout: float = 60.0) -> torch.Tensor | None:
+        """A view of the ring for ``step``'s rows, waiting while earlier steps fill it; None if it cannot fit."""
+        count = math.prod(shape)
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        aligned = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        if aligned > self.size:
+            return None
+        started = time.monotonic()
+        with self.cond:
+            while (start := self._place(aligned)) is None:
+                earlier = any(s != step for _, _, s in self.spans)
+                left = timeout - (time.monotonic() - started)
+                if not earlier or left <= 0:
+                    return None
+                self.cond.wait(left)
+            self.spans.append((start, start + aligned, step))
+        self.waited_s += time.monotonic() - started
+        return self.buffer.narrow(0, start, nbytes).view(dtype).view(shape)
+
+    def give(self, step: int) -> None:
+        """Free ``step``'s spans (the oldest ones; step numbers grow)."""
+        with self.cond:
+            while self.spans and self.spans[0][2] <= step:  # and any older step's that was never filed
+                self.spans.popleft()
+            self.cond.notify_all()
+
+
 def memory() -> dict[str, Any]:
-    """What this process holds for extraction: parts not yet committed, files being written, and (on CUDA)
-    PyTorch's pinned host cache: bytes it holds (``pinned_mb``), in use (``pinned_active_mb``), blocks
+    """What this process holds for extraction: parts not yet committed, files being written, bytes of host
+    buffers holding rows (``host_mb``), the staging ring (its size, bytes in use, seconds hooks waited for
+    it, steps that did not fit), and (on CUDA) PyTorch's pinned host cache: bytes it holds (``pinned_mb``), in use (``pinned_active_mb``), blocks
     page-locked so far and the time that took (``torch.cuda.memory.host_memory_stats``). A gauge for
     the rank's memory over a long run (docs/performance.md, "Activation datasets")."""
-    found: dict[str, Any] = {"parts": 0, "writing": 0}
+    found: dict[str, Any] = {"parts": 0, "writing": 0, "host_mb": _mapped[0] / 1e6}
     if _writer is not None:
         with _writer.writing_lock:
             found.update(parts=len(_writer.parts), writing=_writer.writing)
+        ring = _writer.ring
+        if ring is not None:
+            found.update(ring_mb=ring.size / 1e6, ring_used_mb=ring.used() / 1e6, ring_wait_s=round(ring.waited_s, 3),
+                         ring_overflows=_writer.overflows)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         stats = torch.cuda.memory.host_memory_stats()
         found.update(pinned_mb=stats.get("allocated_bytes.current", 0) / 1e6,
@@ -133,21 +258,32 @@ def request_args(part: str, index: int, directory: str, locations: list[str], dt
     return {KEY: {"part": part, "index": int(index), "dir": directory, "locations": list(locations), "dtype": dtype}}
 
 
-def capture(output: Any, rows: "torch.Tensor | range") -> torch.Tensor:
+def capture(output: Any, rows: "torch.Tensor | range", dtype: torch.dtype | None = None,
+            into: Any = None) -> torch.Tensor:
     """``rows`` of a module output's residual stream (``interventions.residual_parts``: what the
-    batch runner's Parquet saves read), as a copy; each part is narrowed before the sum.
+    batch runner's Parquet saves read), as a copy in ``dtype`` (default: the output's); each
+    part is narrowed before the sum.
 
     ``rows`` is a ``range`` when the step's captured rows are one span (every request of the
     step asks for extraction, as in a dataset run): views of the span, then one copy, no index.
+    ``into(shape, dtype)``, if given, makes the tensor the rows are computed into (the CPU
+    build's ``host_buffer``): no intermediate copy.
     """
     from ..batch.interventions import residual_parts
 
     span = isinstance(rows, range)
     parts = [part.narrow(0, rows.start, len(rows)) if span else part.index_select(0, rows)
              for part in residual_parts(output)]
+    if into is not None:
+        out = into(parts[0].shape, dtype or parts[0].dtype)
+        if len(parts) == 2:
+            return torch.add(parts[0], parts[1], out=out)
+        return out.copy_(parts[0])
     if len(parts) == 2:
-        return parts[0] + parts[1]
-    return parts[0].clone() if span else parts[0]  # a view is copied; index_select already copied
+        taken = parts[0] + parts[1]
+    else:
+        taken = parts[0].clone() if span else parts[0]  # a view is copied; index_select already copied
+    return taken if dtype is None or taken.dtype == dtype else taken.to(dtype)
 
 
 def row_index(spans: list[tuple[int, int]], device: Any) -> "torch.Tensor | range":
@@ -232,6 +368,7 @@ class StepCapture:
     dtype: torch.dtype | None
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     event: Any = None
+    step: int = 0  # this rank's step number: the staging ring's spans are freed by it
 
 
 @dataclass
@@ -254,6 +391,10 @@ class Writer:
         self.writing_lock = threading.Lock()
         self.filed = 0  # captures filed so far: an idle release checks that none came since it was planned
         self.idle_after_s = PINNED_IDLE_S
+        self.ring: PinnedRing | None = None  # made by the first capture on CUDA (``ensure_ring``)
+        self.ring_lock = threading.Lock()
+        self.overflows = 0  # steps staged outside the ring (too large for it, or it stayed full)
+        self.copier = ThreadPoolExecutor(COPIER_THREADS, thread_name_prefix="nnsight-ray-extract-copy")
         # Files are written by a pool: one thread's write (and fsync) is a fraction of what a disk takes
         # (measured on the GPU host: 1.1 GiB/s for one thread with fsync, 1.8 for four; 3.7 and 14 without).
         self.pool = ThreadPoolExecutor(WRITER_THREADS, thread_name_prefix="nnsight-ray-extract-write")
@@ -318,20 +459,79 @@ class Writer:
     def _release_when_still_idle(self, filed: int) -> None:
         """Return the pinned cache if no capture is filed and nothing held for ``idle_after_s`` from now."""
         if self.idle_after_s <= 0:
-            release_pinned_cache()
+            if self._drop_ring():
+                release_pinned_cache()
             return
 
         def check() -> None:
-            if self.filed == filed and self._idle():
+            if self.filed == filed and self._idle() and self._drop_ring():
                 release_pinned_cache()
 
         timer = threading.Timer(self.idle_after_s, check)
         timer.daemon = True
         timer.start()
 
+    # -- the staging ring ------------------------------------------------------
+
+    def ensure_ring(self, nbytes: int) -> PinnedRing:
+        """The ring, made (or, while empty, remade) at least ``nbytes`` large."""
+        with self.ring_lock:
+            ring = self.ring
+            if ring is None or (ring.size < nbytes and not ring.used()):
+                self.ring = ring = None  # the old buffer goes back to PyTorch's cache first
+                self.ring = ring = PinnedRing(nbytes)
+                logger.info("extraction: a %d MB page-locked staging ring", nbytes >> 20)
+            return ring
+
+    def _drop_ring(self) -> bool:
+        """Drop an unused ring (an idle writer's); False if a capture holds part of it."""
+        with self.ring_lock:
+            if self.ring is not None and self.ring.used():
+                return False
+            self.ring = None
+            return True
+
+    def stage(self, taken: torch.Tensor, step: int) -> torch.Tensor:
+        """Start the copy of device rows ``taken`` to the host (current stream: the caller's side stream):
+        into the ring, or a one-off pinned block when it does not fit (``StepCapture.staged``)."""
+        ring = self.ring if STAGING == "ring" else None
+        host = ring.take(taken.shape, taken.dtype, step) if ring is not None else None
+        if host is None:
+            if ring is not None:
+                self.overflows += 1
+                logger.warning("extraction: a step's rows did not fit the %d MB staging ring; a one-off pinned "
+                               "block (NNSIGHT_RAY_EXTRACT_RING_MB sets its size)", ring.size >> 20)
+            host = torch.empty(taken.shape, dtype=taken.dtype, pin_memory=True)
+        host.copy_(taken, non_blocking=True)
+        return host
+
+    def _unstage(self, capture: StepCapture) -> None:
+        """Copy the step's ring views into host buffers (``host_buffer``, by the copier pool) and free its spans."""
+        ring = self.ring
+        if ring is None or STAGING != "ring":
+            return
+        base = ring.buffer.data_ptr()
+        jobs = []
+        for location, staged in list(capture.values.items()):
+            if not base <= staged.data_ptr() < base + ring.size:
+                continue  # a one-off block: stays as it is
+            host = host_buffer(staged.shape, staged.dtype)
+            flat_from, flat_to = staged.view(-1), host.view(-1)
+            chunk = max(1, COPY_CHUNK_BYTES // staged.element_size())
+            for start in range(0, flat_from.numel(), chunk):
+                jobs.append(self.copier.submit(flat_to[start:start + chunk].copy_, flat_from[start:start + chunk]))
+            capture.values[location] = host
+        for job in jobs:
+            job.result()
+
     def _file(self, capture: StepCapture) -> None:
         if capture.event is not None:
             capture.event.synchronize()
+        try:
+            self._unstage(capture)
+        finally:
+            if self.ring is not None:
+                self.ring.give(capture.step)  # (also when copying failed: the ring must not stay full)
         now = time.monotonic()
         for _, first, count, ids, spec in capture.requests:
             part = self.parts.get(spec["part"])
@@ -428,6 +628,7 @@ class ExtractRunnerMixin:
         self._extract_step: StepCapture | None = None
         self._extract_seen: set[str] = set()
         self._extract_stream: Any = None
+        self._extract_steps = 0  # steps captured so far (``StepCapture.step``)
 
     def _update_states(self, scheduler_output: Any) -> Any:
         result = super()._update_states(scheduler_output)  # type: ignore[misc]
@@ -475,10 +676,30 @@ class ExtractRunnerMixin:
             start += count
         if requests:
             device = self.device if hasattr(self, "device") else "cpu"
+            self._extract_steps += 1
             self._extract_step = StepCapture(row_index(spans, device), requests,
-                                             DTYPES.get(dtype) if dtype else None)
+                                             DTYPES.get(dtype) if dtype else None, step=self._extract_steps)
+            if torch.device(device).type == "cuda" and STAGING == "ring":
+                writer().ensure_ring(self._extract_ring_bytes(requests, self._extract_step.dtype))
+
+    def _extract_ring_bytes(self, requests: list, dtype: torch.dtype | None) -> int:
+        """The staging ring's size: ``RING_MB``, or twice the largest step this rank can capture
+        (every token of a full batch at every asked location), if larger."""
+        config = getattr(self, "model_config", None)
+        scheduler = getattr(self, "scheduler_config", None)
+        try:
+            hidden = int(config.get_hidden_size())
+            tokens = int(scheduler.max_num_batched_tokens)
+            element = torch.empty((), dtype=dtype or config.dtype).element_size()
+        except (AttributeError, TypeError, ValueError):
+            return RING_MB << 20
+        locations = len({loc for *_, spec in requests for loc in spec["locations"]
+                         if self._extract_hooks.get(loc) is not None})
+        return max(RING_MB << 20, 2 * tokens * hidden * element * locations)
 
     def _extract_hook(self, location: str) -> None:
+        from ..batch.interventions import residual_parts
+
         if location in self._extract_hooks:
             return
         path, _, attribute = location.rpartition(".")
@@ -494,18 +715,17 @@ class ExtractRunnerMixin:
             step = self._extract_step
             if step is None:
                 return
-            taken = capture(output, step.rows)
-            if step.dtype is not None and taken.dtype != step.dtype:
-                taken = taken.to(step.dtype)
-            if taken.is_cuda:
+            device_side = residual_parts(output)[0].is_cuda
+            into = host_buffer if not device_side and STAGING == "ring" else None
+            taken = capture(output, step.rows, step.dtype, into)
+            if device_side:
                 # On a side stream: the copy to the host overlaps the next layers' kernels.
                 if self._extract_stream is None:
                     self._extract_stream = torch.cuda.Stream()
                 side = self._extract_stream
                 side.wait_stream(torch.cuda.current_stream())
-                host = torch.empty(taken.shape, dtype=taken.dtype, pin_memory=True)
                 with torch.cuda.stream(side):
-                    host.copy_(taken, non_blocking=True)
+                    host = writer().stage(taken, step.step)
                 taken.record_stream(side)
                 taken = host
             step.values[location] = taken

@@ -210,10 +210,11 @@ def test_extraction_files_equal_single_device(engine, reference, tmp_path):
     # nothing is kept for a committed part, and a second commit writes an empty one
     again = [w for w in ray.get(model.vllm_entrypoint.extract_commit("part-x")) if w is not None]
     assert all(w["rows"] == 0 and w["file"] is None for w in again)
-    # and every rank says so: no part held, nothing being written (the gauge bench_gpu.py prints)
+    # and every rank says so: no part held, nothing being written, no host buffer of rows left mapped
+    # (the gauge bench_gpu.py prints)
     held = model.vllm_entrypoint.collective_rpc("nnsight_ray_extract_memory")
     assert len(held) == pp * LAYOUTS[name].get("tensor_parallel_size", 1), held
-    assert all(h["parts"] == 0 and h["writing"] == 0 for h in held), held
+    assert all(h["parts"] == 0 and h["writing"] == 0 and h["host_mb"] == 0 for h in held), held
 
 
 @ray_layouts

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
 import weakref
 
@@ -96,4 +98,97 @@ def test_the_memory_gauge_counts_held_parts_until_they_are_committed(tmp_path, m
     assert extract.memory()["parts"] == 2
     writer.submit("commit", ("a", False))
     writer.submit("commit", ("b", False))
-    assert extract.memory() == {"parts": 0, "writing": 0}  # no CUDA here: no pinned figures
+    assert extract.memory() == {"parts": 0, "writing": 0, "host_mb": 0.0}  # no CUDA here: no pinned figures
+
+
+# -- the staging ring and the host buffers (the GPU path's memory, on CPU tensors) -----------------
+
+
+def test_the_ring_hands_out_spans_first_in_first_out_and_wraps():
+    ring = extract.PinnedRing(4 * 4096, pin=False)
+    a = ring.take(torch.Size([1024]), torch.float32, step=1)  # one page each
+    b = ring.take(torch.Size([2, 512]), torch.float32, step=1)
+    c = ring.take(torch.Size([1024]), torch.float32, step=2)
+    assert [s[:2] for s in ring.spans] == [(0, 4096), (4096, 8192), (8192, 12288)]
+    a.fill_(1), b.fill_(2), c.fill_(3)
+    ring.give(1)
+    d = ring.take(torch.Size([2048]), torch.float32, step=3)  # 2 pages: not after c (1 left), so at the start
+    assert [s[:2] for s in ring.spans] == [(8192, 12288), (0, 8192)]
+    assert torch.equal(c, torch.full((1024,), 3.0))  # d did not overwrite c
+    d.fill_(4)
+    assert ring.take(torch.Size([1024]), torch.float32, step=3, timeout=0.1) is None  # full of its own step
+    assert ring.used() == 3 * 4096
+    ring.give(3)
+    assert ring.used() == 0 and not ring.spans
+
+
+def test_a_full_ring_makes_the_next_step_wait_for_the_writer():
+    """Back-pressure: a hook waits while earlier steps fill the ring, and goes on once they are copied out."""
+    ring = extract.PinnedRing(2 * 4096, pin=False)
+    ring.take(torch.Size([2048]), torch.float32, step=1)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(ring.take(torch.Size([1024]), torch.float32, step=2)))
+    waiter.start()
+    time.sleep(0.2)
+    assert not got  # still waiting for step 1's span
+    ring.give(1)
+    waiter.join(5)
+    assert got and got[0] is not None and ring.waited_s >= 0.15
+    assert ring.take(torch.Size([10 * 1024]), torch.float32, step=3) is None  # larger than the ring: never fits
+
+
+def test_host_buffers_go_back_to_the_system_when_their_last_view_dies():
+    before = extract._mapped[0]
+    rows = extract.host_buffer((256, 1024), torch.bfloat16)  # 512 KiB
+    assert extract._mapped[0] - before == 256 * 1024 * 2
+    view = rows.narrow(0, 10, 5)
+    rows.fill_(1.5)
+    del rows
+    gc.collect()
+    assert extract._mapped[0] - before == 256 * 1024 * 2  # a view keeps it
+    assert torch.equal(view, torch.full((5, 1024), 1.5, dtype=torch.bfloat16))
+    del view
+    assert extract._mapped[0] == before
+    assert extract.host_buffer((0, 8), torch.float32).shape == (0, 8)
+
+
+def test_capture_computes_straight_into_a_host_buffer_in_the_asked_dtype():
+    hidden, residual = torch.randn(12, 4), torch.randn(12, 4)
+    for rows in (range(2, 9), torch.tensor([0, 3, 5])):
+        want = hidden[torch.as_tensor(list(rows))] + residual[torch.as_tensor(list(rows))]
+        got = extract.capture((hidden, residual), rows, torch.bfloat16, extract.host_buffer)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+        alone = extract.capture(hidden, rows, None, extract.host_buffer)
+        assert torch.equal(alone, hidden[torch.as_tensor(list(rows))])
+
+
+def test_the_writer_copies_a_step_out_of_the_ring_frees_it_and_writes_the_rows(tmp_path, monkeypatch):
+    """The GPU path's filing on CPU tensors: ring views -> host buffers, the ring freed at once, the rows
+    written exactly, and nothing held once the part is committed."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(extract, "STAGING", "ring")
+    monkeypatch.setattr(extract, "COPY_CHUNK_BYTES", 4096 * 3)  # 14 pieces, copied by the pool
+    writer = extract.Writer(0, 1, True)
+    writer.ring = extract.PinnedRing(1 << 20, pin=False)
+    monkeypatch.setattr(extract, "_writer", writer)
+    want = torch.randn(40, 1024, dtype=torch.float32) * 100
+    staged = writer.ring.take(want.shape, want.dtype, step=7)
+    staged.copy_(want)
+    spec = {"part": "p", "index": 0, "dir": str(tmp_path), "locations": ["m.output"]}
+    spec2 = dict(spec, index=1)
+    step = extract.StepCapture(range(0, 40), [("a", 0, 25, list(range(25)), spec), ("b", 25, 15, list(range(15)), spec2)],
+                               None, values={"m.output": staged}, step=7)
+    del staged
+    writer.submit("capture", step)
+    assert writer.ring.used() == 0  # copied out and freed when filed
+    assert not (step.values["m.output"].data_ptr() == writer.ring.buffer.data_ptr())
+    del step
+    assert extract.memory()["host_mb"] > 0
+    written = writer.submit("commit", ("p", False))
+    assert written["rows"] == 40
+    data = load_file(str(tmp_path / "p.safetensors"))
+    assert torch.equal(data["m.output"], want) and data["prompt_index"].tolist() == [0] * 25 + [1] * 15
+    gc.collect()
+    held = extract.memory()
+    assert held["host_mb"] == 0 and held["parts"] == 0 and held["ring_used_mb"] == 0
