@@ -660,6 +660,13 @@ def engine_tree(engine: str, trees: list[str]) -> tuple[str, str | None]:
     return base, str(Path(found[tag]).resolve())
 
 
+def child_skip(skip: str, engine: str, base: str) -> str:
+    """``--skip`` for the child of engine row ``engine`` (``ray%cache``, ``ray@old``), which runs as ``base``:
+    the pairs that name that row, renamed to ``base``; a pair names one row, so ``ray:prefill`` skips
+    the plain ``ray`` row only."""
+    return ",".join(f"{base}:{pair.split(':', 1)[1]}" for pair in skip.split(",") if pair.startswith(engine + ":"))
+
+
 def engine_env(engine: str, settings: list[str]) -> tuple[str, dict[str, str]]:
     """``ENGINE%TAG`` -> (ENGINE, the variables of every ``--env TAG=NAME=VALUE``); a plain name -> (it, {})."""
     if "%" not in engine:
@@ -744,7 +751,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep-prefix-cache", action="store_true",
                         help="plain vLLM rows keep their prefix cache between runs (by default each run starts "
                              "with it empty: every run repeats the same prompts)")
-    parser.add_argument("--skip", default="", help="ENGINE:WORKLOAD,... pairs not to run (e.g. ray:extract)")
+    parser.add_argument("--skip", default="", help="ENGINE:WORKLOAD,... pairs not to run (e.g. ray:extract, "
+                        "ray%%cache:prefill): each names one engine row")
     parser.add_argument("--shards-dir", default="", help="shards: where the files go (default: the temp dir)")
     parser.add_argument("--model-dir", default=None, help="reuse a checkpoint built earlier")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine's child process")
@@ -807,6 +815,7 @@ def main(argv: list[str] | None = None) -> None:
             env = {**os.environ, **extra}
             base, tree = engine_tree(plain, args.tree)
             command[command.index("--child") + 1] = base
+            command[command.index(f"--skip={args.skip}")] = f"--skip={child_skip(args.skip, engine, base)}"
             if tree:
                 env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p])
             # Ray puts its driver's working directory first on every worker's sys.path, so a tree's

@@ -22,31 +22,19 @@ On the rank:
    (a span's view copied when the step's captured rows are contiguous, as in a
    dataset run, else one ``index_select``; a copy because vLLM's CUDA kernels
    later update a layer's output in place), casts it to the asked dtype
-   and starts its copy into this process's staging ring (a fixed page-locked
-   buffer, ``PinnedRing``) without waiting.
+   and starts its copy to page-locked host memory without waiting
+   (``Writer.to_host``; where depends on ``STAGING``, below).
 3. After the forward, the step's copies and a CUDA event go to this process's
-   writer thread, which waits on the event, copies the step's rows out of the
-   ring into host buffers mapped for them (``host_buffer``: unmapped, so
-   returned to the system, once the last file holding their rows is
-   written), frees the step's span of the ring and files each request's rows
-   under its part.
+   writer thread, which waits on the event and files each request's rows under
+   its part.
 4. ``commit(part)`` (the driver's call on the rank actor, second actor thread)
    queues behind every capture before it, then writes the part's rows, sorted
    by prompt index and position, as one safetensors file (temp file +
-   rename), straight from the pinned buffers (``write_safetensors``), and
+   rename), straight from the host buffers (``write_safetensors``), and
    answers with what it wrote.
 
-So a value is copied three times after the forward: device rows -> the ring
-(on a side CUDA stream, overlapping the next layers), ring -> its host buffer
-(a pool of copier threads), host buffer -> file. The middle copy buys a rank
-whose memory does not grow: the page-locked memory is the ring, allocated
-once, and what waits for a commit is in buffers that go back to the system
-when written. Before, the rows stayed in PyTorch's cached pinned blocks until
-written, and that cache (never returned while work goes on, sizes rounded to
-powers of two) ratcheted up to the most a run ever held: the rank's RSS grew
-4.4 -> 5.7 GB over 11 runs on the H200 (docs/performance.md).
-``NNSIGHT_RAY_EXTRACT_STAGING=cache`` keeps that path, for comparison. On the
-CPU build the rows are computed straight into their host buffer.
+Where a step's rows wait for their commit (PyTorch's pinned cache, a fixed ring, or
+fixed-size slabs) is ``host_memory``'s part, chosen by ``NNSIGHT_RAY_EXTRACT_STAGING``.
 
 Only the first tensor-parallel rank of each pipeline stage writes (a layer's
 output is whole on every TP rank); with pipeline stages each stage writes its
@@ -55,10 +43,7 @@ own layers' file of the part, with the same row order (``part.stageK``).
 
 from __future__ import annotations
 
-import collections
 import logging
-import math
-import mmap
 import os
 import queue
 import threading
@@ -69,6 +54,10 @@ from typing import Any
 
 import torch
 
+from .host_memory import (COPIER_THREADS, COPY_CHUNK_BYTES, RING_MB, STAGING, PinnedRing, _mapped, host_buffer,
+                          pinned_rows, release_freed_memory, release_pinned_cache)
+from .safetensors_io import FORMAT, write_safetensors
+
 logger = logging.getLogger(__name__)
 
 # The extra_args key a request asks for extraction with.
@@ -78,156 +67,7 @@ PART_TTL_S = float(os.environ.get("NNSIGHT_RAY_EXTRACT_TTL_S", "900"))
 WRITER_THREADS = int(os.environ.get("NNSIGHT_RAY_EXTRACT_WRITERS", "4"))
 # Cached pinned blocks go back once the writer has had nothing to do for this long (0: at once).
 PINNED_IDLE_S = float(os.environ.get("NNSIGHT_RAY_EXTRACT_PINNED_IDLE_S", "5"))
-# "ring": a fixed page-locked staging ring, rows held in mapped host buffers (default); "cache": rows held
-# in PyTorch's cached pinned blocks until written (before; for comparison).
-STAGING = os.environ.get("NNSIGHT_RAY_EXTRACT_STAGING", "ring")
-# The staging ring's size; at least twice the largest step a rank can capture (``ensure_ring``).
-RING_MB = int(os.environ.get("NNSIGHT_RAY_EXTRACT_RING_MB", "1024"))
-COPIER_THREADS = int(os.environ.get("NNSIGHT_RAY_EXTRACT_COPIERS", "4"))
-COPY_CHUNK_BYTES = 8 << 20  # a copier's piece of a step's rows
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _load_malloc_trim() -> Any:
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_malloc_trim = _load_malloc_trim()
-_trim_lock = threading.Lock()
-
-
-def release_freed_memory() -> None:
-    """Give the heap's free pages back to the system (glibc's ``malloc_trim``), after a part is written.
-
-    A part's rows are freed once its file is written, but glibc raises its mmap threshold
-    after freeing large blocks, so later ones come from the heap and its free pages stay
-    resident: on the 2-core machine the writing rank's RSS grew 210 MB over 41 runs of
-    128 prompts without this, 87 MB with it (docs/performance.md, "Activation datasets").
-    """
-    if _malloc_trim is not None and _trim_lock.acquire(blocking=False):  # one writer trims; the others go on
-        try:
-            _malloc_trim(0)
-        finally:
-            _trim_lock.release()
-
-
-def release_pinned_cache() -> None:
-    """Give PyTorch's cached pinned host blocks back (``torch.accelerator.empty_host_cache``); no-op without CUDA.
-
-    The staging ring (and a step too large for it) comes from PyTorch's
-    caching host allocator, which keeps every freed block (sizes rounded up
-    to a power of two) for reuse: with rows held there until written, the
-    writing rank's RSS grew 7.1 -> 9.5 GB over 4 runs on the H200 with every
-    prompt in flight (docs/performance.md). Called once the writer has been
-    idle (nothing held, nothing being written) for ``PINNED_IDLE_S``, after it
-    drops its ring: returning pinned memory waits for the device, and pinning
-    it again costs more (page-locking every page, on the thread that runs the
-    forward), so work that goes on keeps its ring.
-    """
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.accelerator.empty_host_cache()
-
-
-class _Mapped(mmap.mmap):
-    """An anonymous mapping that counts itself in ``_mapped`` while alive (the memory gauge)."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__()
-        with _mapped_lock:
-            _mapped[0] += len(self)
-
-    def __del__(self) -> None:
-        with _mapped_lock:
-            _mapped[0] -= len(self)
-
-
-_mapped = [0]  # bytes of host buffers alive
-_mapped_lock = threading.Lock()
-
-
-def host_buffer(shape: "tuple[int, ...] | torch.Size", dtype: torch.dtype) -> torch.Tensor:
-    """A host tensor in its own anonymous mapping, unmapped (returned to the system) when its last view dies.
-
-    Not from the heap: glibc keeps freed blocks below its (self-raising) mmap threshold, so a
-    rank that holds and frees gigabytes of rows a run kept growing (docs/performance.md). Asks
-    for transparent huge pages: copying into fresh 4 KiB pages measured 2.5-3.5 GB/s, into
-    huge pages 8-11 GB/s (the 2-core dev machine, THP ``madvise``).
-    """
-    count = math.prod(shape)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    mapping = _Mapped(-1, nbytes)
-    if nbytes >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # THP off, or not Linux
-            pass
-    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
-
-
-class PinnedRing:
-    """A fixed page-locked buffer that a rank's captures are copied into from the device, first in, first out.
-
-    The forward's hooks take spans (``take``), the writer thread gives each step's spans back once
-    it has copied them out (``give``), in the order taken. A hook waits while the ring is full of
-    earlier steps' rows (the forward slows to the writer's pace: back-pressure, not growth); a
-    step that does not fit even alone gets a one-off pinned block (``take`` returns None).
-    """
-
-    ALIGN = 4096
-
-    def __init__(self, nbytes: int, pin: bool = True) -> None:
-        self.size = nbytes
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        self.spans: collections.deque[tuple[int, int, int]] = collections.deque()  # (start, end, step), taken order
-        self.cond = threading.Condition()
-        self.waited_s = 0.0
-
-    def used(self) -> int:
-        with self.cond:
-            return sum(end - start for start, end, _ in self.spans)
-
-    def _place(self, nbytes: int) -> int | None:
-        if not self.spans:
-            return 0 if nbytes <= self.size else None
-        first, last = self.spans[0][0], self.spans[-1][1]
-        if self.spans[-1][0] >= first:  # not wrapped: free after the last span, then before the first
-            if self.size - last >= nbytes:
-                return last
-            return 0 if first >= nbytes else None
-        return last if first - last >= nbytes else None  # wrapped: free between the last and the first
-
-    def take(self, shape: "torch.Size", dtype: torch.dtype, step: int, timeout: float = 60.0) -> torch.Tensor | None:
-        """A view of the ring for ``step``'s rows, waiting while earlier steps fill it; None if it cannot fit."""
-        count = math.prod(shape)
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
-        aligned = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
-        if aligned > self.size:
-            return None
-        started = time.monotonic()
-        with self.cond:
-            while (start := self._place(aligned)) is None:
-                earlier = any(s != step for _, _, s in self.spans)
-                left = timeout - (time.monotonic() - started)
-                if not earlier or left <= 0:
-                    return None
-                self.cond.wait(left)
-            self.spans.append((start, start + aligned, step))
-        self.waited_s += time.monotonic() - started
-        return self.buffer.narrow(0, start, nbytes).view(dtype).view(shape)
-
-    def give(self, step: int) -> None:
-        """Free ``step``'s spans (the oldest ones; step numbers grow)."""
-        with self.cond:
-            while self.spans and self.spans[0][2] <= step:  # and any older step's that was never filed
-                self.spans.popleft()
-            self.cond.notify_all()
 
 
 def memory() -> dict[str, Any]:
@@ -302,63 +142,6 @@ def row_index(spans: list[tuple[int, int]], device: Any) -> "torch.Tensor | rang
     return rows.to(device)
 
 
-FORMAT = "nnsight_ray.activations/1"
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-                       torch.int32: "I32"}
-
-
-def write_safetensors(path: str, columns: dict[str, list[torch.Tensor]], metadata: dict[str, str],
-                      fsync: bool = True) -> None:
-    """A safetensors file whose tensor ``name`` is ``columns[name]`` concatenated along dim 0.
-
-    Written piece by piece from the host buffers the rows were copied into:
-    no concatenation, no second copy (``safetensors.torch.save_file`` would
-    make both). The format is the header length (8 bytes, little endian), a
-    JSON header padded to 8 bytes, then each tensor's bytes in header order.
-    """
-    import json
-    import struct
-
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, pieces in columns.items():
-        first = pieces[0]
-        rows = sum(int(p.shape[0]) for p in pieces)
-        size = rows * math.prod(first.shape[1:]) * first.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[first.dtype], "shape": [rows, *first.shape[1:]],
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as handle:
-        handle.write(struct.pack("<Q", len(encoded)))
-        handle.write(encoded)
-        for pieces in columns.values():
-            for piece in pieces:
-                piece = piece.contiguous()
-                if piece.numel():
-                    # bytes as they are (numpy has no bfloat16): a view, written without a copy
-                    handle.write(memoryview(piece.view(torch.uint8).numpy() if piece.dim() else piece.numpy()))
-        handle.flush()
-        if fsync:
-            os.fsync(handle.fileno())
-
-
-def safetensors_complete(path: str) -> bool:
-    """Whether a safetensors file is as long as its header says (a crash without fsync can cut one short)."""
-    import json
-    import struct
-
-    try:
-        with open(path, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        return os.path.getsize(path) == 8 + length + end
-    except (OSError, ValueError, KeyError, struct.error):
-        return False
-
-
 @dataclass
 class StepCapture:
     """One step's extraction: which rows, and the host copies of each location's rows."""
@@ -394,6 +177,7 @@ class Writer:
         self.ring: PinnedRing | None = None  # made by the first capture on CUDA (``ensure_ring``)
         self.ring_lock = threading.Lock()
         self.overflows = 0  # steps staged outside the ring (too large for it, or it stayed full)
+        self.slab_bytes = 0  # STAGING "slab": every pinned block this large (set by the runner's plan)
         self.copier = ThreadPoolExecutor(COPIER_THREADS, thread_name_prefix="nnsight-ray-extract-copy")
         # Files are written by a pool: one thread's write (and fsync) is a fraction of what a disk takes
         # (measured on the GPU host: 1.1 GiB/s for one thread with fsync, 1.8 for four; 3.7 and 14 without).
@@ -491,17 +275,18 @@ class Writer:
             self.ring = None
             return True
 
-    def stage(self, taken: torch.Tensor, step: int) -> torch.Tensor:
-        """Start the copy of device rows ``taken`` to the host (current stream: the caller's side stream):
-        into the ring, or a one-off pinned block when it does not fit (``StepCapture.staged``)."""
+    def to_host(self, taken: torch.Tensor, step: int) -> torch.Tensor:
+        """Start the copy of device rows ``taken`` to the host (current stream: the caller's side stream),
+        into pinned memory as ``STAGING`` says: the ring (a one-off block when it does not fit), a
+        ``slab_bytes`` block, or a block of their own size."""
         ring = self.ring if STAGING == "ring" else None
         host = ring.take(taken.shape, taken.dtype, step) if ring is not None else None
+        if host is None and ring is not None:
+            self.overflows += 1
+            logger.warning("extraction: a step's rows did not fit the %d MB staging ring; a one-off pinned "
+                           "block (NNSIGHT_RAY_EXTRACT_RING_MB sets its size)", ring.size >> 20)
         if host is None:
-            if ring is not None:
-                self.overflows += 1
-                logger.warning("extraction: a step's rows did not fit the %d MB staging ring; a one-off pinned "
-                               "block (NNSIGHT_RAY_EXTRACT_RING_MB sets its size)", ring.size >> 20)
-            host = torch.empty(taken.shape, dtype=taken.dtype, pin_memory=True)
+            host = pinned_rows(taken.shape, taken.dtype, self.slab_bytes if STAGING == "slab" else 0)
         host.copy_(taken, non_blocking=True)
         return host
 
@@ -679,23 +464,25 @@ class ExtractRunnerMixin:
             self._extract_steps += 1
             self._extract_step = StepCapture(row_index(spans, device), requests,
                                              DTYPES.get(dtype) if dtype else None, step=self._extract_steps)
-            if torch.device(device).type == "cuda" and STAGING == "ring":
-                writer().ensure_ring(self._extract_ring_bytes(requests, self._extract_step.dtype))
+            if torch.device(device).type == "cuda" and STAGING in ("ring", "slab"):
+                largest = self._extract_largest(self._extract_step.dtype)
+                locations = len({loc for *_, spec in requests for loc in spec["locations"]
+                                 if self._extract_hooks.get(loc) is not None})
+                if STAGING == "ring":  # RING_MB, or twice the largest step at every asked location if larger
+                    writer().ensure_ring(max(RING_MB << 20, 2 * largest * locations))
+                else:
+                    writer().slab_bytes = max(writer().slab_bytes, largest)
 
-    def _extract_ring_bytes(self, requests: list, dtype: torch.dtype | None) -> int:
-        """The staging ring's size: ``RING_MB``, or twice the largest step this rank can capture
-        (every token of a full batch at every asked location), if larger."""
+    def _extract_largest(self, dtype: torch.dtype | None) -> int:
+        """Bytes of the largest capture of one location: every token of a full batch (0 if unknown)."""
         config = getattr(self, "model_config", None)
         scheduler = getattr(self, "scheduler_config", None)
         try:
             hidden = int(config.get_hidden_size())
             tokens = int(scheduler.max_num_batched_tokens)
-            element = torch.empty((), dtype=dtype or config.dtype).element_size()
+            return tokens * hidden * torch.empty((), dtype=dtype or config.dtype).element_size()
         except (AttributeError, TypeError, ValueError):
-            return RING_MB << 20
-        locations = len({loc for *_, spec in requests for loc in spec["locations"]
-                         if self._extract_hooks.get(loc) is not None})
-        return max(RING_MB << 20, 2 * tokens * hidden * element * locations)
+            return 0
 
     def _extract_hook(self, location: str) -> None:
         from ..batch.interventions import residual_parts
@@ -725,7 +512,7 @@ class ExtractRunnerMixin:
                 side = self._extract_stream
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    host = writer().stage(taken, step.step)
+                    host = writer().to_host(taken, step.step)
                 taken.record_stream(side)
                 taken = host
             step.values[location] = taken

@@ -54,3 +54,12 @@ def test_an_engine_with_a_percent_tag_runs_with_that_tags_variables(bench_gpu):
         bench_gpu.engine_env("ray%none", settings)
     with pytest.raises(SystemExit):
         bench_gpu.engine_env("ray%bad", ["bad=NOVALUE"])
+
+
+def test_a_skip_pair_names_one_engine_row(bench_gpu):
+    """``--skip ray%cache:prefill`` skips that row's prefill only; its child runs as ``ray``."""
+    skip = "ray%cache:prefill,ray:extract,ray-taps@old:trace"
+    assert bench_gpu.child_skip(skip, "ray%cache", "ray") == "ray:prefill"
+    assert bench_gpu.child_skip(skip, "ray", "ray") == "ray:extract"
+    assert bench_gpu.child_skip(skip, "ray-taps@old", "ray-taps") == "ray-taps:trace"
+    assert bench_gpu.child_skip("", "ray", "ray") == ""

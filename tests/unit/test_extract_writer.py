@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from nnsight_ray._internal import extract
+from nnsight_ray._internal import extract, host_memory
 
 
 def test_an_idle_writer_returns_pinned_memory_after_the_rows_are_freed(tmp_path, monkeypatch):
@@ -192,3 +192,23 @@ def test_the_writer_copies_a_step_out_of_the_ring_frees_it_and_writes_the_rows(t
     gc.collect()
     held = extract.memory()
     assert held["host_mb"] == 0 and held["parts"] == 0 and held["ring_used_mb"] == 0
+
+
+def test_slab_staging_gives_every_step_a_block_of_one_size(monkeypatch):
+    """``STAGING=slab``: rows of any size fit the front of a block of the largest step's size (one size class
+    for PyTorch's pinned cache); rows larger than a slab, or with no slab size known, get their own size."""
+    sizes = []
+    monkeypatch.setattr(host_memory, "_pinned", lambda n: sizes.append(n) or torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(extract, "STAGING", "slab")
+    writer = extract.Writer(0, 1, True)
+    writer.slab_bytes = 64 * 1024
+    small, large = torch.randn(3, 8), torch.randn(100, 8, dtype=torch.float64)  # 96 B; 6,400 B
+    for rows in (small, large, small.to(torch.bfloat16)):
+        host = writer.to_host(rows, step=1)
+        assert host.shape == rows.shape and host.dtype == rows.dtype and torch.equal(host, rows)
+    too_big = torch.randn(1024, 16, dtype=torch.float64)  # 128 KiB > the slab
+    assert torch.equal(writer.to_host(too_big, step=2), too_big)
+    assert sizes == [64 * 1024] * 3 + [128 * 1024]
+    monkeypatch.setattr(extract, "STAGING", "cache")
+    writer.to_host(small, step=3)
+    assert sizes[-1] == 96  # the default: a block of their own size

@@ -1,0 +1,208 @@
+"""Host memory for a rank's captured rows (``extract``): where they wait between the device and their file.
+
+Where a step's rows wait for their commit (``NNSIGHT_RAY_EXTRACT_STAGING``):
+
+- ``cache`` (the default): in pinned blocks from PyTorch's caching host
+  allocator. Two copies after the forward: device -> pinned (on a side CUDA
+  stream, overlapping the next layers), pinned -> file. The fastest measured
+  (0.88x plain prefill, 5.0 GB/s, H200), but that cache keeps every freed
+  block for reuse in its power-of-two size class and never gives it back
+  while work goes on: the rank's RSS grew with the cache, 3.6 -> 5.7 GB over
+  11 runs with every prompt in flight (pinned cache +2,118 MB, RSS +2,120).
+- ``ring``: a fixed page-locked ring (``PinnedRing``, allocated once), the
+  writer thread copying each step out of it into host buffers mapped for
+  them (``host_buffer``, unmapped when written) by a pool of copier threads.
+  One copy more, and memory flat by construction: the rank's RSS 2,829-2,831
+  MB over the same 11 runs. But 0.60x plain prefill (a 1 GiB ring, 4
+  copiers: the forward waited 0.8 s a run for the ring); 3 GiB and 12
+  copiers did not wait and still ran 2.0 s against 1.7 (another run:
+  faulting fresh pages in and unmapping them competes with the forward).
+- ``slab``: like ``cache``, but every block is as large as the largest step
+  a location can capture (``max_num_batched_tokens`` rows), so PyTorch's
+  cache has one size class to reuse and holds at most the most steps ever
+  waiting at once. No copy more. **Not yet measured on a GPU.**
+
+On the CPU build ``ring`` computes the rows straight into mapped host
+buffers; the others as the model's tensors (no pinned memory there).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import mmap
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Where captured rows wait for their commit: "cache", "ring" or "slab" (the module docstring).
+STAGING = os.environ.get("NNSIGHT_RAY_EXTRACT_STAGING", "cache")
+STAGINGS = ("cache", "ring", "slab")
+if STAGING not in STAGINGS:
+    raise ValueError(f"NNSIGHT_RAY_EXTRACT_STAGING={STAGING!r}: expected one of {', '.join(STAGINGS)}")
+# The staging ring's size; at least twice the largest step a rank can capture (``ensure_ring``).
+RING_MB = int(os.environ.get("NNSIGHT_RAY_EXTRACT_RING_MB", "1024"))
+COPIER_THREADS = int(os.environ.get("NNSIGHT_RAY_EXTRACT_COPIERS", "4"))
+COPY_CHUNK_BYTES = 8 << 20  # a copier's piece of a step's rows
+
+
+def _load_malloc_trim() -> Any:
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
+_trim_lock = threading.Lock()
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim``), after a part is written.
+
+    A part's rows are freed once its file is written, but glibc raises its mmap threshold
+    after freeing large blocks, so later ones come from the heap and its free pages stay
+    resident: on the 2-core machine the writing rank's RSS grew 210 MB over 41 runs of
+    128 prompts without this, 87 MB with it (docs/performance.md, "Activation datasets").
+    """
+    if _malloc_trim is not None and _trim_lock.acquire(blocking=False):  # one writer trims; the others go on
+        try:
+            _malloc_trim(0)
+        finally:
+            _trim_lock.release()
+
+
+def release_pinned_cache() -> None:
+    """Give PyTorch's cached pinned host blocks back (``torch.accelerator.empty_host_cache``); no-op without CUDA.
+
+    The staging ring (and a step too large for it) comes from PyTorch's
+    caching host allocator, which keeps every freed block (sizes rounded up
+    to a power of two) for reuse: with rows held there until written, the
+    writing rank's RSS grew 7.1 -> 9.5 GB over 4 runs on the H200 with every
+    prompt in flight (docs/performance.md). Called once the writer has been
+    idle (nothing held, nothing being written) for ``PINNED_IDLE_S``, after it
+    drops its ring: returning pinned memory waits for the device, and pinning
+    it again costs more (page-locking every page, on the thread that runs the
+    forward), so work that goes on keeps its ring.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.accelerator.empty_host_cache()
+
+
+class _Mapped(mmap.mmap):
+    """An anonymous mapping that counts itself in ``_mapped`` while alive (the memory gauge)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__()
+        with _mapped_lock:
+            _mapped[0] += len(self)
+
+    def __del__(self) -> None:
+        with _mapped_lock:
+            _mapped[0] -= len(self)
+
+
+_mapped = [0]  # bytes of host buffers alive
+_mapped_lock = threading.Lock()
+
+
+def host_buffer(shape: "tuple[int, ...] | torch.Size", dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor in its own anonymous mapping, unmapped (returned to the system) when its last view dies.
+
+    Not from the heap: glibc keeps freed blocks below its (self-raising) mmap threshold, so a
+    rank that holds and frees gigabytes of rows a run kept growing (docs/performance.md). Asks
+    for transparent huge pages: copying into fresh 4 KiB pages measured 2.5-3.5 GB/s, into
+    huge pages 8-11 GB/s (the 2-core dev machine, THP ``madvise``).
+    """
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    mapping = _Mapped(-1, nbytes)
+    if nbytes >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP off, or not Linux
+            pass
+    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def pinned_rows(shape: "torch.Size", dtype: torch.dtype, slab_bytes: int = 0) -> torch.Tensor:
+    """Pinned host memory for rows of ``shape``: a block of their own size, or (``slab_bytes``, when they
+    fit) the front of a ``slab_bytes`` block, so that PyTorch's caching host allocator, which reuses a
+    freed block only for requests of its power-of-two size class, sees one size whatever the step."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if 0 < nbytes <= slab_bytes:
+        return _pinned(slab_bytes).narrow(0, 0, nbytes).view(dtype).view(shape)
+    return _pinned(nbytes).view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+
+
+class PinnedRing:
+    """A fixed page-locked buffer that a rank's captures are copied into from the device, first in, first out.
+
+    The forward's hooks take spans (``take``), the writer thread gives each step's spans back once
+    it has copied them out (``give``), in the order taken. A hook waits while the ring is full of
+    earlier steps' rows (the forward slows to the writer's pace: back-pressure, not growth); a
+    step that does not fit even alone gets a one-off pinned block (``take`` returns None).
+    """
+
+    ALIGN = 4096
+
+    def __init__(self, nbytes: int, pin: bool = True) -> None:
+        self.size = nbytes
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.spans: collections.deque[tuple[int, int, int]] = collections.deque()  # (start, end, step), taken order
+        self.cond = threading.Condition()
+        self.waited_s = 0.0
+
+    def used(self) -> int:
+        with self.cond:
+            return sum(end - start for start, end, _ in self.spans)
+
+    def _place(self, nbytes: int) -> int | None:
+        if not self.spans:
+            return 0 if nbytes <= self.size else None
+        first, last = self.spans[0][0], self.spans[-1][1]
+        if self.spans[-1][0] >= first:  # not wrapped: free after the last span, then before the first
+            if self.size - last >= nbytes:
+                return last
+            return 0 if first >= nbytes else None
+        return last if first - last >= nbytes else None  # wrapped: free between the last and the first
+
+    def take(self, shape: "torch.Size", dtype: torch.dtype, step: int, timeout: float = 60.0) -> torch.Tensor | None:
+        """A view of the ring for ``step``'s rows, waiting while earlier steps fill it; None if it cannot fit."""
+        count = math.prod(shape)
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        aligned = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        if aligned > self.size:
+            return None
+        started = time.monotonic()
+        with self.cond:
+            while (start := self._place(aligned)) is None:
+                earlier = any(s != step for _, _, s in self.spans)
+                left = timeout - (time.monotonic() - started)
+                if not earlier or left <= 0:
+                    return None
+                self.cond.wait(left)
+            self.spans.append((start, start + aligned, step))
+        self.waited_s += time.monotonic() - started
+        return self.buffer.narrow(0, start, nbytes).view(dtype).view(shape)
+
+    def give(self, step: int) -> None:
+        """Free ``step``'s spans (the oldest ones; step numbers grow)."""
+        with self.cond:
+            while self.spans and self.spans[0][2] <= step:  # and any older step's that was never filed
+                self.spans.popleft()
+            self.cond.notify_all()
