@@ -23,7 +23,7 @@ On the rank:
    dataset run, else one ``index_select``; a copy because vLLM's CUDA kernels
    later update a layer's output in place), casts it to the asked dtype
    and starts its copy to page-locked host memory without waiting
-   (``Writer.to_host``; where depends on ``STAGING``, below).
+   (``Writer.to_host``; where depends on the writer's staging, below).
 3. After the forward, the step's copies and a CUDA event go to this process's
    writer thread, which waits on the event and files each request's rows under
    its part.
@@ -34,7 +34,8 @@ On the rank:
    answers with what it wrote.
 
 Where a step's rows wait for their commit (PyTorch's pinned cache, a fixed ring, or
-fixed-size slabs) is ``host_memory``'s part, chosen by ``NNSIGHT_RAY_EXTRACT_STAGING``.
+fixed-size slabs) is ``host_memory``'s part, chosen by ``NNSIGHT_RAY_EXTRACT_STAGING`` at the
+rank's start and by the rank RPC ``nnsight_ray_extract_staging`` while it holds nothing.
 
 Only the first tensor-parallel rank of each pipeline stage writes (a layer's
 output is whole on every TP rank); with pipeline stages each stage writes its
@@ -54,7 +55,7 @@ from typing import Any
 
 import torch
 
-from .host_memory import (COPIER_THREADS, COPY_CHUNK_BYTES, RING_MB, STAGING, PinnedRing, _mapped, host_buffer,
+from .host_memory import (COPIER_THREADS, COPY_CHUNK_BYTES, RING_MB, STAGING, STAGINGS, PinnedRing, _mapped, host_buffer,
                           pinned_rows, release_freed_memory, release_pinned_cache)
 from .safetensors_io import FORMAT, write_safetensors
 
@@ -80,6 +81,8 @@ def memory() -> dict[str, Any]:
     if _writer is not None:
         with _writer.writing_lock:
             found.update(parts=len(_writer.parts), writing=_writer.writing)
+        if _writer.staging != "cache":
+            found["staging"] = _writer.staging
         ring = _writer.ring
         if ring is not None:
             found.update(ring_mb=ring.size / 1e6, ring_used_mb=ring.used() / 1e6, ring_wait_s=round(ring.waited_s, 3),
@@ -177,7 +180,8 @@ class Writer:
         self.ring: PinnedRing | None = None  # made by the first capture on CUDA (``ensure_ring``)
         self.ring_lock = threading.Lock()
         self.overflows = 0  # steps staged outside the ring (too large for it, or it stayed full)
-        self.slab_bytes = 0  # STAGING "slab": every pinned block this large (set by the runner's plan)
+        self.staging = STAGING  # where rows wait (host_memory); ``set_staging`` changes it while idle
+        self.slab_bytes = 0  # staging "slab": every pinned block this large (set by the runner's plan)
         self.copier = ThreadPoolExecutor(COPIER_THREADS, thread_name_prefix="nnsight-ray-extract-copy")
         # Files are written by a pool: one thread's write (and fsync) is a fraction of what a disk takes
         # (measured on the GPU host: 1.1 GiB/s for one thread with fsync, 1.8 for four; 3.7 and 14 without).
@@ -275,25 +279,39 @@ class Writer:
             self.ring = None
             return True
 
+    def set_staging(self, mode: str) -> str:
+        """Where rows wait from now on (``host_memory``), changed only while this writer holds nothing:
+        rows already waiting stay where they are and are written from there. Drops an unused ring."""
+        if mode not in STAGINGS:
+            raise ValueError(f"extraction staging {mode!r}: expected one of {', '.join(STAGINGS)}")
+        with self.writing_lock:
+            if not self._holds_nothing():
+                raise RuntimeError(f"extraction staging stays {self.staging!r}: {len(self.parts)} part(s) held, "
+                                   f"{self.writing} being written; commit or discard them first")
+            if mode != "ring" and not self._drop_ring():
+                raise RuntimeError(f"extraction staging stays {self.staging!r}: the ring holds rows")
+            self.staging = mode
+        return mode
+
     def to_host(self, taken: torch.Tensor, step: int) -> torch.Tensor:
         """Start the copy of device rows ``taken`` to the host (current stream: the caller's side stream),
-        into pinned memory as ``STAGING`` says: the ring (a one-off block when it does not fit), a
+        into pinned memory as ``self.staging`` says: the ring (a one-off block when it does not fit), a
         ``slab_bytes`` block, or a block of their own size."""
-        ring = self.ring if STAGING == "ring" else None
+        ring = self.ring if self.staging == "ring" else None
         host = ring.take(taken.shape, taken.dtype, step) if ring is not None else None
         if host is None and ring is not None:
             self.overflows += 1
             logger.warning("extraction: a step's rows did not fit the %d MB staging ring; a one-off pinned "
                            "block (NNSIGHT_RAY_EXTRACT_RING_MB sets its size)", ring.size >> 20)
         if host is None:
-            host = pinned_rows(taken.shape, taken.dtype, self.slab_bytes if STAGING == "slab" else 0)
+            host = pinned_rows(taken.shape, taken.dtype, self.slab_bytes if self.staging == "slab" else 0)
         host.copy_(taken, non_blocking=True)
         return host
 
     def _unstage(self, capture: StepCapture) -> None:
         """Copy the step's ring views into host buffers (``host_buffer``, by the copier pool) and free its spans."""
         ring = self.ring
-        if ring is None or STAGING != "ring":
+        if ring is None:
             return
         base = ring.buffer.data_ptr()
         jobs = []
@@ -384,6 +402,12 @@ def writer() -> Writer:
         return _writer
 
 
+def set_staging(mode: str) -> str:
+    """This process's extraction staging from now on (``Writer.set_staging``); the rank RPC
+    ``nnsight_ray_extract_staging``."""
+    return writer().set_staging(mode)
+
+
 def commit(part: str, timeout: float = 600.0, fsync: bool = False) -> dict[str, Any] | None:
     """Write ``part``'s file once every capture before this call is filed; None on a rank that does not write.
 
@@ -464,11 +488,12 @@ class ExtractRunnerMixin:
             self._extract_steps += 1
             self._extract_step = StepCapture(row_index(spans, device), requests,
                                              DTYPES.get(dtype) if dtype else None, step=self._extract_steps)
-            if torch.device(device).type == "cuda" and STAGING in ("ring", "slab"):
+            staging = writer().staging
+            if torch.device(device).type == "cuda" and staging in ("ring", "slab"):
                 largest = self._extract_largest(self._extract_step.dtype)
                 locations = len({loc for *_, spec in requests for loc in spec["locations"]
                                  if self._extract_hooks.get(loc) is not None})
-                if STAGING == "ring":  # RING_MB, or twice the largest step at every asked location if larger
+                if staging == "ring":  # RING_MB, or twice the largest step at every asked location if larger
                     writer().ensure_ring(max(RING_MB << 20, 2 * largest * locations))
                 else:
                     writer().slab_bytes = max(writer().slab_bytes, largest)
@@ -503,7 +528,7 @@ class ExtractRunnerMixin:
             if step is None:
                 return
             device_side = residual_parts(output)[0].is_cuda
-            into = host_buffer if not device_side and STAGING == "ring" else None
+            into = host_buffer if not device_side and writer().staging == "ring" else None
             taken = capture(output, step.rows, step.dtype, into)
             if device_side:
                 # On a side stream: the copy to the host overlaps the next layers' kernels.

@@ -190,6 +190,13 @@ class RankRPCMixin:
 
         return memory()
 
+    def nnsight_ray_extract_staging(self, mode: str | None = None) -> str:
+        """Where this rank's captured rows wait (``host_memory``): the current staging, or switch to
+        ``mode`` (refused while rows are held: ``extract.set_staging``)."""
+        from .extract import set_staging, writer
+
+        return writer().staging if mode is None else set_staging(mode)
+
     def nnsight_ray_block_names(self) -> dict[str, int]:
         """How many source-cache entries of received blocks this rank holds (a leak gauge; see ``block_names``)."""
         from .block_names import held

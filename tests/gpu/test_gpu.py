@@ -194,8 +194,11 @@ def test_topology_puts_the_rank_on_a_gpu_bundle(rayvllm):
         assert gpus >= 1, actor.required_resources
 
 
-def test_extraction_files_match_transformers(rayvllm, hf, tmp_path):
-    """Rank-written activations (issue 24) on CUDA: every prompt token of every layer, in place-safe.
+@pytest.mark.parametrize("staging", ["cache", "ring", "slab"])
+def test_extraction_files_match_transformers(rayvllm, hf, tmp_path, staging):
+    """Rank-written activations (issue 24) on CUDA: every prompt token of every layer, in place-safe,
+    whichever way the rows wait on the host (``host_memory``: PyTorch's pinned cache, the ring copied
+    out to mapped buffers, one-size slabs).
 
     The capture copies a layer's rows in its forward hook, before the next layer's fused norm
     updates the layer's output in place; the copy to the host runs on a side stream.
@@ -204,8 +207,14 @@ def test_extraction_files_match_transformers(rayvllm, hf, tmp_path):
 
     locations = [f"model.layers.{i}.output" for i in range(LAYERS)]
     engine = rayvllm.vllm_entrypoint
-    ray.get(engine.extract_async(PROMPTS, "gpu-part", str(tmp_path), locations))
-    (written,) = [w for w in ray.get(engine.extract_commit("gpu-part")) if w is not None]
+    assert engine.collective_rpc("nnsight_ray_extract_staging", args=(staging,)) == [staging]
+    try:
+        ray.get(engine.extract_async(PROMPTS, "gpu-part", str(tmp_path), locations))
+        (written,) = [w for w in ray.get(engine.extract_commit("gpu-part")) if w is not None]
+        (held,) = engine.collective_rpc("nnsight_ray_extract_memory")
+        assert held["parts"] == 0 and held["host_mb"] == 0, held
+    finally:
+        engine.collective_rpc("nnsight_ray_extract_staging", args=("cache",))
     data = load_file(written["file"])
     for index, prompt in enumerate(PROMPTS):
         rows = data["prompt_index"] == index

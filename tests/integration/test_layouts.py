@@ -215,6 +215,22 @@ def test_extraction_files_equal_single_device(engine, reference, tmp_path):
     held = model.vllm_entrypoint.collective_rpc("nnsight_ray_extract_memory")
     assert len(held) == pp * LAYOUTS[name].get("tensor_parallel_size", 1), held
     assert all(h["parts"] == 0 and h["writing"] == 0 and h["host_mb"] == 0 for h in held), held
+    # the same files whichever way rows wait on the host: "ring" computes them straight into buffers
+    # mapped for them, unmapped once written (``host_memory``), switched on every rank while idle
+    ranks = len(held)
+    rpc = model.vllm_entrypoint.collective_rpc
+    assert rpc("nnsight_ray_extract_staging", args=("ring",)) == ["ring"] * ranks
+    try:
+        ray.get(model.vllm_entrypoint.extract_async(PROMPTS, "part-r", str(tmp_path), locations, indices=[7, 3, 5]))
+        ray.get(model.vllm_entrypoint.extract_commit("part-r"))
+        ringed = sorted(tmp_path.glob("part-r*.safetensors"))
+        assert len(ringed) == len(files)
+        for before, after in zip(stages, (load_file(str(f)) for f in ringed)):
+            assert sorted(before) == sorted(after)
+            assert all((before[k] == after[k]).all() for k in before)
+        assert all(h["host_mb"] == 0 and h["parts"] == 0 for h in rpc("nnsight_ray_extract_memory"))
+    finally:
+        assert rpc("nnsight_ray_extract_staging", args=("cache",)) == ["cache"] * ranks
 
 
 @ray_layouts

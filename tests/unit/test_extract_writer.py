@@ -167,9 +167,9 @@ def test_the_writer_copies_a_step_out_of_the_ring_frees_it_and_writes_the_rows(t
     written exactly, and nothing held once the part is committed."""
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(extract, "STAGING", "ring")
     monkeypatch.setattr(extract, "COPY_CHUNK_BYTES", 4096 * 3)  # 14 pieces, copied by the pool
     writer = extract.Writer(0, 1, True)
+    writer.staging = "ring"
     writer.ring = extract.PinnedRing(1 << 20, pin=False)
     monkeypatch.setattr(extract, "_writer", writer)
     want = torch.randn(40, 1024, dtype=torch.float32) * 100
@@ -209,6 +209,29 @@ def test_slab_staging_gives_every_step_a_block_of_one_size(monkeypatch):
     too_big = torch.randn(1024, 16, dtype=torch.float64)  # 128 KiB > the slab
     assert torch.equal(writer.to_host(too_big, step=2), too_big)
     assert sizes == [64 * 1024] * 3 + [128 * 1024]
-    monkeypatch.setattr(extract, "STAGING", "cache")
+    writer.staging = "cache"
     writer.to_host(small, step=3)
     assert sizes[-1] == 96  # the default: a block of their own size
+
+
+def test_the_staging_changes_only_while_the_writer_holds_nothing(tmp_path, monkeypatch):
+    """``nnsight_ray_extract_staging``: a bad mode says which ones exist; a writer holding a part keeps its
+    staging until the part is committed; switching away from the ring drops it (an idle one)."""
+    import pytest
+
+    writer = extract.Writer(0, 1, True)
+    monkeypatch.setattr(extract, "_writer", writer)
+    assert writer.staging == "cache"
+    with pytest.raises(ValueError, match="expected one of cache, ring, slab"):
+        extract.set_staging("pinned")
+    _capture(writer, "a", tmp_path)
+    with pytest.raises(RuntimeError, match="1 part"):
+        extract.set_staging("ring")
+    writer.submit("commit", ("a", False))
+    assert extract.set_staging("ring") == "ring" and extract.memory()["staging"] == "ring"
+    writer.ring = extract.PinnedRing(4096, pin=False)
+    writer.ring.take(torch.Size([8]), torch.float32, step=1)
+    with pytest.raises(RuntimeError, match="the ring holds rows"):
+        extract.set_staging("slab")
+    writer.ring.give(1)
+    assert extract.set_staging("slab") == "slab" and writer.ring is None
