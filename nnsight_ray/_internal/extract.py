@@ -309,7 +309,7 @@ class Writer:
         return host
 
     def _unstage(self, capture: StepCapture) -> None:
-        """Copy the step's ring views into host buffers (``host_buffer``, by the copier pool) and free its spans."""
+        """Copy the step's ring views into host buffers (``host_buffer``, by the copier pool); ``_file`` frees its spans."""
         ring = self.ring
         if ring is None:
             return
