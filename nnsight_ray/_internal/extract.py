@@ -505,7 +505,7 @@ class ExtractRunnerMixin:
         try:
             hidden = int(config.get_hidden_size())
             tokens = int(scheduler.max_num_batched_tokens)
-            return tokens * hidden * torch.empty((), dtype=dtype or config.dtype).element_size()
+            return tokens * hidden * (dtype or config.dtype).itemsize
         except (AttributeError, TypeError, ValueError):
             return 0
 

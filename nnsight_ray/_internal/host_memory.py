@@ -123,7 +123,7 @@ def host_buffer(shape: "tuple[int, ...] | torch.Size", dtype: torch.dtype) -> to
     huge pages 8-11 GB/s (the 2-core dev machine, THP ``madvise``).
     """
     count = math.prod(shape)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = count * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     mapping = _Mapped(-1, nbytes)
@@ -143,7 +143,7 @@ def pinned_rows(shape: "torch.Size", dtype: torch.dtype, slab_bytes: int = 0) ->
     """Pinned host memory for rows of ``shape``: a block of their own size, or (``slab_bytes``, when they
     fit) the front of a ``slab_bytes`` block, so that PyTorch's caching host allocator, which reuses a
     freed block only for requests of its power-of-two size class, sees one size whatever the step."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if 0 < nbytes <= slab_bytes:
         return _pinned(slab_bytes).narrow(0, 0, nbytes).view(dtype).view(shape)
     return _pinned(nbytes).view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
@@ -184,7 +184,7 @@ class PinnedRing:
     def take(self, shape: "torch.Size", dtype: torch.dtype, step: int, timeout: float = 60.0) -> torch.Tensor | None:
         """A view of the ring for ``step``'s rows, waiting while earlier steps fill it; None if it cannot fit."""
         count = math.prod(shape)
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        nbytes = count * dtype.itemsize
         aligned = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
         if aligned > self.size:
             return None
