@@ -34,7 +34,7 @@ On the rank:
    answers with what it wrote.
 
 Where a step's rows wait for their commit (PyTorch's pinned cache, a fixed ring, or
-fixed-size slabs) is ``host_memory``'s part, chosen by ``NNSIGHT_RAY_EXTRACT_STAGING`` at the
+a fixed pool of slabs) is ``host_memory``'s part, chosen by ``NNSIGHT_RAY_EXTRACT_STAGING`` at the
 rank's start and by the rank RPC ``nnsight_ray_extract_staging`` while it holds nothing.
 
 Only the first tensor-parallel rank of each pipeline stage writes (a layer's
@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 
-from .host_memory import (COPIER_THREADS, COPY_CHUNK_BYTES, RING_MB, STAGING, STAGINGS, PinnedRing, _mapped, host_buffer,
-                          pinned_rows, release_freed_memory, release_pinned_cache)
+from .host_memory import (COPIER_THREADS, COPY_CHUNK_BYTES, PINNED_MB, RING_MB, STAGING, STAGINGS, PinnedRing, SlabPool,
+                          _mapped, host_buffer, pinned_rows, release_freed_memory, release_pinned_cache)
 from .safetensors_io import FORMAT, write_safetensors
 
 logger = logging.getLogger(__name__)
@@ -83,10 +83,13 @@ def memory() -> dict[str, Any]:
             found.update(parts=len(_writer.parts), writing=_writer.writing)
         if _writer.staging != "cache":
             found["staging"] = _writer.staging
-        ring = _writer.ring
+        ring, slabs = _writer.ring, _writer.slabs
         if ring is not None:
             found.update(ring_mb=ring.size / 1e6, ring_used_mb=ring.used() / 1e6, ring_wait_s=round(ring.waited_s, 3),
                          ring_overflows=_writer.overflows)
+        if slabs is not None:
+            found.update(pool_mb=slabs.count * slabs.slab_bytes / 1e6, pool_lent=slabs.lent(), pool_slabs=slabs.count,
+                         pool_wait_s=round(slabs.waited_s, 3), pool_overflows=_writer.overflows)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         stats = torch.cuda.memory.host_memory_stats()
         found.update(pinned_mb=stats.get("allocated_bytes.current", 0) / 1e6,
@@ -155,6 +158,7 @@ class StepCapture:
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     event: Any = None
     step: int = 0  # this rank's step number: the staging ring's spans are freed by it
+    slabs: list = field(default_factory=list)  # the pool's slabs holding ``values`` (staging "pool")
 
 
 @dataclass
@@ -164,6 +168,13 @@ class Part:
     directory: str
     created: float
     entries: list[tuple[int, list[int], dict[str, torch.Tensor]]] = field(default_factory=list)
+    slabs: list = field(default_factory=list)  # pool slabs its rows are in: released when it is written or dropped
+
+    def done(self) -> None:
+        """The part's rows are no longer needed: its slabs go back to the pool once no other part holds them."""
+        slabs, self.slabs = self.slabs, []
+        for slab in slabs:
+            slab.release()
 
 
 class Writer:
@@ -179,9 +190,9 @@ class Writer:
         self.idle_after_s = PINNED_IDLE_S
         self.ring: PinnedRing | None = None  # made by the first capture on CUDA (``ensure_ring``)
         self.ring_lock = threading.Lock()
-        self.overflows = 0  # steps staged outside the ring (too large for it, or it stayed full)
+        self.slabs: SlabPool | None = None  # staging "pool": made by the first capture on CUDA (``ensure_slabs``)
+        self.overflows = 0  # rows staged outside the ring or the pool (too large for it, or it stayed full)
         self.staging = STAGING  # where rows wait (host_memory); ``set_staging`` changes it while idle
-        self.slab_bytes = 0  # staging "slab": every pinned block this large (set by the runner's plan)
         self.copier = ThreadPoolExecutor(COPIER_THREADS, thread_name_prefix="nnsight-ray-extract-copy")
         # Files are written by a pool: one thread's write (and fsync) is a fraction of what a disk takes
         # (measured on the GPU host: 1.1 GiB/s for one thread with fsync, 1.8 for four; 3.7 and 14 without).
@@ -199,7 +210,9 @@ class Writer:
                     self._file(item)
                     self.filed += 1
                 elif kind == "discard":
-                    self.parts.pop(item, None)
+                    dropped = self.parts.pop(item, None)
+                    if dropped is not None:
+                        dropped.done()
                 else:  # commit: the part is complete now (FIFO); its file is written by the pool
                     name, fsync = item
                     with self.writing_lock:
@@ -227,6 +240,8 @@ class Writer:
             reply.set_exception(error)
             return
         finally:
+            if part is not None:
+                part.done()
             del part  # this part's rows are free from here
             with self.writing_lock:
                 self.writing -= 1
@@ -247,12 +262,12 @@ class Writer:
     def _release_when_still_idle(self, filed: int) -> None:
         """Return the pinned cache if no capture is filed and nothing held for ``idle_after_s`` from now."""
         if self.idle_after_s <= 0:
-            if self._drop_ring():
+            if self._drop_staging():
                 release_pinned_cache()
             return
 
         def check() -> None:
-            if self.filed == filed and self._idle() and self._drop_ring():
+            if self.filed == filed and self._idle() and self._drop_staging():
                 release_pinned_cache()
 
         timer = threading.Timer(self.idle_after_s, check)
@@ -271,13 +286,31 @@ class Writer:
                 logger.info("extraction: a %d MB page-locked staging ring", nbytes >> 20)
             return ring
 
-    def _drop_ring(self) -> bool:
-        """Drop an unused ring (an idle writer's); False if a capture holds part of it."""
+    def ensure_slabs(self, slab_bytes: int, locations: int) -> SlabPool:
+        """The slab pool, made (or, while nothing is lent, remade) with slabs of at least ``slab_bytes``:
+        ``PINNED_MB`` in all, and at least two steps at ``locations`` locations."""
         with self.ring_lock:
-            if self.ring is not None and self.ring.used():
+            slabs = self.slabs
+            count = max(2 * max(locations, 1), (PINNED_MB << 20) // max(slab_bytes, 1))
+            if slabs is None or ((slabs.slab_bytes < slab_bytes or slabs.count < 2 * locations) and not slabs.lent()):
+                self.slabs = slabs = None  # the old slabs go back to PyTorch's cache first
+                started = time.monotonic()
+                self.slabs = slabs = SlabPool(slab_bytes, count, pin=torch.cuda.is_available())
+                logger.info("extraction: %d page-locked slabs of %d MB in %.2f s", count, slab_bytes >> 20,
+                            time.monotonic() - started)
+            return slabs
+
+    def _drop_staging(self) -> bool:
+        """Drop an unused ring and slab pool (an idle writer's); False if a capture or a part holds some of them."""
+        with self.ring_lock:
+            if (self.ring is not None and self.ring.used()) or (self.slabs is not None and self.slabs.lent()):
                 return False
-            self.ring = None
+            self.ring = self.slabs = None
             return True
+
+    def _writes_pending(self) -> bool:
+        """Files being written or commits queued: what gives slabs back (``SlabPool.take`` waits on it)."""
+        return self.writing > 0 or not self.queue.empty()
 
     def set_staging(self, mode: str) -> str:
         """Where rows wait from now on (``host_memory``), changed only while this writer holds nothing:
@@ -288,25 +321,42 @@ class Writer:
             if not self._holds_nothing():
                 raise RuntimeError(f"extraction staging stays {self.staging!r}: {len(self.parts)} part(s) held, "
                                    f"{self.writing} being written; commit or discard them first")
-            if mode != "ring" and not self._drop_ring():
-                raise RuntimeError(f"extraction staging stays {self.staging!r}: the ring holds rows")
+            if not self._drop_staging():
+                raise RuntimeError(f"extraction staging stays {self.staging!r}: its host memory holds rows")
             self.staging = mode
         return mode
 
-    def to_host(self, taken: torch.Tensor, step: int) -> torch.Tensor:
+    def to_host(self, taken: torch.Tensor, capture: StepCapture) -> torch.Tensor:
         """Start the copy of device rows ``taken`` to the host (current stream: the caller's side stream),
-        into pinned memory as ``self.staging`` says: the ring (a one-off block when it does not fit), a
-        ``slab_bytes`` block, or a block of their own size."""
+        as ``self.staging`` says: into the ring (a one-off pinned block when they do not fit), a slab of
+        the pool (a host buffer when none is free: that copy waits), or a pinned block of their own size."""
         ring = self.ring if self.staging == "ring" else None
-        host = ring.take(taken.shape, taken.dtype, step) if ring is not None else None
-        if host is None and ring is not None:
-            self.overflows += 1
-            logger.warning("extraction: a step's rows did not fit the %d MB staging ring; a one-off pinned "
-                           "block (NNSIGHT_RAY_EXTRACT_RING_MB sets its size)", ring.size >> 20)
+        slabs = self.slabs if self.staging == "pool" else None
+        host = None
+        if ring is not None:
+            host = ring.take(taken.shape, taken.dtype, capture.step)
+            if host is None:
+                self._overflow(f"a step's rows did not fit the {ring.size >> 20} MB staging ring; a one-off pinned "
+                               "block (NNSIGHT_RAY_EXTRACT_RING_MB sets its size)")
+        elif slabs is not None:
+            slab = slabs.take(taken.numel() * taken.dtype.itemsize, self._writes_pending)
+            if slab is None:
+                self._overflow(f"no free slab in the {slabs.count} x {slabs.slab_bytes >> 20} MB pool and nothing "
+                               "being written (every slab holds rows of parts not yet complete); the step's rows "
+                               "go through pageable memory (NNSIGHT_RAY_EXTRACT_PINNED_MB sets the pool's size)")
+                host = host_buffer(taken.shape, taken.dtype)
+            else:
+                capture.slabs.append(slab)
+                host = slab.view(taken.shape, taken.dtype)
         if host is None:
-            host = pinned_rows(taken.shape, taken.dtype, self.slab_bytes if self.staging == "slab" else 0)
+            host = pinned_rows(taken.shape, taken.dtype)
         host.copy_(taken, non_blocking=True)
         return host
+
+    def _overflow(self, why: str) -> None:
+        self.overflows += 1
+        if self.overflows == 1 or self.overflows % 100 == 0:
+            logger.warning("extraction (%d so far): %s", self.overflows, why)
 
     def _unstage(self, capture: StepCapture) -> None:
         """Copy the step's ring views into host buffers (``host_buffer``, by the copier pool); ``_file`` frees its spans."""
@@ -336,16 +386,27 @@ class Writer:
             if self.ring is not None:
                 self.ring.give(capture.step)  # (also when copying failed: the ring must not stay full)
         now = time.monotonic()
-        for _, first, count, ids, spec in capture.requests:
-            part = self.parts.get(spec["part"])
-            if part is None:
-                part = self.parts[spec["part"]] = Part(spec["dir"], now)
-            values = {loc: v.narrow(0, first, count) for loc, v in capture.values.items()
-                      if loc in spec["locations"]}
-            part.entries.append((spec["index"], ids, values))
+        try:
+            touched: dict[int, Part] = {}
+            for _, first, count, ids, spec in capture.requests:
+                part = self.parts.get(spec["part"])
+                if part is None:
+                    part = self.parts[spec["part"]] = Part(spec["dir"], now)
+                values = {loc: v.narrow(0, first, count) for loc, v in capture.values.items()
+                          if loc in spec["locations"]}
+                part.entries.append((spec["index"], ids, values))
+                touched[id(part)] = part
+            for slab in capture.slabs:  # held by every part this step filed rows under
+                slab.hold(len(touched))
+            for part in touched.values():
+                part.slabs.extend(capture.slabs)
+        finally:
+            for slab in capture.slabs:  # the capture's own hold (``SlabPool.take``)
+                slab.release()
+            capture.slabs = []
         for name in [n for n, p in self.parts.items() if now - p.created > PART_TTL_S]:
             logger.warning("extraction part %s was never committed; dropped", name)
-            del self.parts[name]
+            self.parts.pop(name).done()
 
     def _commit(self, name: str, part: "Part | None", fsync: bool) -> dict[str, Any] | None:
         if not self.writes:
@@ -489,14 +550,14 @@ class ExtractRunnerMixin:
             self._extract_step = StepCapture(row_index(spans, device), requests,
                                              DTYPES.get(dtype) if dtype else None, step=self._extract_steps)
             staging = writer().staging
-            if torch.device(device).type == "cuda" and staging in ("ring", "slab"):
+            if torch.device(device).type == "cuda" and staging in ("ring", "pool"):
                 largest = self._extract_largest(self._extract_step.dtype)
                 locations = len({loc for *_, spec in requests for loc in spec["locations"]
                                  if self._extract_hooks.get(loc) is not None})
                 if staging == "ring":  # RING_MB, or twice the largest step at every asked location if larger
                     writer().ensure_ring(max(RING_MB << 20, 2 * largest * locations))
                 else:
-                    writer().slab_bytes = max(writer().slab_bytes, largest)
+                    writer().ensure_slabs(largest, locations)
 
     def _extract_largest(self, dtype: torch.dtype | None) -> int:
         """Bytes of the largest capture of one location: every token of a full batch (0 if unknown)."""
@@ -537,7 +598,7 @@ class ExtractRunnerMixin:
                 side = self._extract_stream
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    host = writer().to_host(taken, step.step)
+                    host = writer().to_host(taken, step)
                 taken.record_stream(side)
                 taken = host
             step.values[location] = taken

@@ -17,10 +17,17 @@ Where a step's rows wait for their commit (``NNSIGHT_RAY_EXTRACT_STAGING``):
   copiers: the forward waited 0.8 s a run for the ring); 3 GiB and 12
   copiers did not wait and still ran 2.0 s against 1.7 (another run:
   faulting fresh pages in and unmapping them competes with the forward).
-- ``slab``: like ``cache``, but every block is as large as the largest step
-  a location can capture (``max_num_batched_tokens`` rows), so PyTorch's
-  cache has one size class to reuse and holds at most the most steps ever
-  waiting at once. No copy more. **Not yet measured on a GPU.**
+- ``pool``: a fixed pool of page-locked slabs, each as large as the largest
+  step one location can capture (``max_num_batched_tokens`` rows), made at
+  the first capture (``NNSIGHT_RAY_EXTRACT_PINNED_MB`` in all, at least two
+  steps' worth). A step's rows stay in their slab until every part holding
+  them is written, then the slab goes back to the pool: no copy more than
+  ``cache``, and pinned memory fixed. When no slab is free the forward waits
+  while the writer has files to write (back-pressure), and otherwise (every
+  slab holds rows of parts not yet complete) stages that step in a host
+  buffer (``host_buffer``, pageable, unmapped once written; counted as an
+  overflow). Before it, ``slab`` (one-size blocks from PyTorch's cache, no
+  cap) ratcheted like ``cache``: pinned 2.3 -> 3.6 GB over 11 runs (H200).
 
 On the CPU build ``ring`` computes the rows straight into mapped host
 buffers; the others as the model's tensors (no pinned memory there).
@@ -41,15 +48,17 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Where captured rows wait for their commit: "cache", "ring" or "slab" (the module docstring).
+# Where captured rows wait for their commit: "cache", "ring" or "pool" (the module docstring).
 STAGING = os.environ.get("NNSIGHT_RAY_EXTRACT_STAGING", "cache")
-STAGINGS = ("cache", "ring", "slab")
+STAGINGS = ("cache", "ring", "pool")
 if STAGING not in STAGINGS:
     raise ValueError(f"NNSIGHT_RAY_EXTRACT_STAGING={STAGING!r}: expected one of {', '.join(STAGINGS)}")
 # The staging ring's size; at least twice the largest step a rank can capture (``ensure_ring``).
 RING_MB = int(os.environ.get("NNSIGHT_RAY_EXTRACT_RING_MB", "1024"))
 COPIER_THREADS = int(os.environ.get("NNSIGHT_RAY_EXTRACT_COPIERS", "4"))
 COPY_CHUNK_BYTES = 8 << 20  # a copier's piece of a step's rows
+# The slab pool's page-locked bytes in all (staging "pool"); at least two steps at every asked location.
+PINNED_MB = int(os.environ.get("NNSIGHT_RAY_EXTRACT_PINNED_MB", "3072"))
 
 
 def _load_malloc_trim() -> Any:
@@ -139,14 +148,70 @@ def _pinned(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
-def pinned_rows(shape: "torch.Size", dtype: torch.dtype, slab_bytes: int = 0) -> torch.Tensor:
-    """Pinned host memory for rows of ``shape``: a block of their own size, or (``slab_bytes``, when they
-    fit) the front of a ``slab_bytes`` block, so that PyTorch's caching host allocator, which reuses a
-    freed block only for requests of its power-of-two size class, sees one size whatever the step."""
+def pinned_rows(shape: "torch.Size", dtype: torch.dtype) -> torch.Tensor:
+    """Pinned host memory for rows of ``shape`` (PyTorch's caching host allocator)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if 0 < nbytes <= slab_bytes:
-        return _pinned(slab_bytes).narrow(0, 0, nbytes).view(dtype).view(shape)
     return _pinned(nbytes).view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+
+
+class Slab:
+    """One slab of a ``SlabPool``, lent to a step's rows at one location until every part holding them is done."""
+
+    __slots__ = ("pool", "tensor", "refs")
+
+    def __init__(self, pool: "SlabPool", tensor: torch.Tensor) -> None:
+        self.pool, self.tensor, self.refs = pool, tensor, 0
+
+    def view(self, shape: "torch.Size", dtype: torch.dtype) -> torch.Tensor:
+        return self.tensor.narrow(0, 0, math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
+
+    def hold(self, count: int = 1) -> None:
+        with self.pool.cond:
+            self.refs += count
+
+    def release(self) -> None:
+        """One holder done (a part written or dropped); the last one gives the slab back to its pool."""
+        with self.pool.cond:
+            self.refs -= 1
+            if self.refs <= 0:
+                self.refs = 0
+                self.pool.free.append(self)
+                self.pool.cond.notify_all()
+
+
+class SlabPool:
+    """Page-locked slabs of one size, all made at once, lent to captured rows and given back when written.
+
+    ``take`` lends a free slab, waiting while ``busy()`` says a file is being written (whose
+    parts will give slabs back); None when none is free and nothing is being written, or the
+    rows do not fit a slab: the caller stages those rows elsewhere (``host_buffer``).
+    """
+
+    def __init__(self, slab_bytes: int, count: int, pin: bool = True) -> None:
+        self.slab_bytes, self.count = slab_bytes, count
+        self.free: list[Slab] = [Slab(self, torch.empty(slab_bytes, dtype=torch.uint8, pin_memory=pin))
+                                 for _ in range(count)]
+        self.cond = threading.Condition()
+        self.waited_s = 0.0
+
+    def lent(self) -> int:
+        with self.cond:
+            return self.count - len(self.free)
+
+    def take(self, nbytes: int, busy: Any = lambda: False, timeout: float = 60.0) -> Slab | None:
+        if nbytes > self.slab_bytes:
+            return None
+        started = time.monotonic()
+        with self.cond:
+            while not self.free:
+                left = timeout - (time.monotonic() - started)
+                if left <= 0 or not busy():
+                    return None
+                self.cond.wait(min(left, 0.05))  # ``busy`` is the writer's state: looked at again
+            slab = self.free.pop()
+            slab.refs = 1  # the step's capture, until it is filed under its parts
+        self.waited_s += time.monotonic() - started
+        return slab
 
 
 class PinnedRing:

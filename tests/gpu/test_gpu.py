@@ -194,11 +194,11 @@ def test_topology_puts_the_rank_on_a_gpu_bundle(rayvllm):
         assert gpus >= 1, actor.required_resources
 
 
-@pytest.mark.parametrize("staging", ["cache", "ring", "slab"])
+@pytest.mark.parametrize("staging", ["cache", "ring", "pool"])
 def test_extraction_files_match_transformers(rayvllm, hf, tmp_path, staging):
     """Rank-written activations (issue 24) on CUDA: every prompt token of every layer, in place-safe,
     whichever way the rows wait on the host (``host_memory``: PyTorch's pinned cache, the ring copied
-    out to mapped buffers, one-size slabs).
+    out to mapped buffers, a fixed pool of slabs).
 
     The capture copies a layer's rows in its forward hook, before the next layer's fused norm
     updates the layer's output in place; the copy to the host runs on a side stream.

@@ -194,24 +194,90 @@ def test_the_writer_copies_a_step_out_of_the_ring_frees_it_and_writes_the_rows(t
     assert held["host_mb"] == 0 and held["parts"] == 0 and held["ring_used_mb"] == 0
 
 
-def test_slab_staging_gives_every_step_a_block_of_one_size(monkeypatch):
-    """``STAGING=slab``: rows of any size fit the front of a block of the largest step's size (one size class
-    for PyTorch's pinned cache); rows larger than a slab, or with no slab size known, get their own size."""
-    sizes = []
-    monkeypatch.setattr(host_memory, "_pinned", lambda n: sizes.append(n) or torch.empty(n, dtype=torch.uint8))
-    monkeypatch.setattr(extract, "STAGING", "slab")
+def _pool_writer(monkeypatch, slabs: int, slab_bytes: int = 64 * 1024) -> "extract.Writer":
     writer = extract.Writer(0, 1, True)
-    writer.slab_bytes = 64 * 1024
-    small, large = torch.randn(3, 8), torch.randn(100, 8, dtype=torch.float64)  # 96 B; 6,400 B
-    for rows in (small, large, small.to(torch.bfloat16)):
-        host = writer.to_host(rows, step=1)
-        assert host.shape == rows.shape and host.dtype == rows.dtype and torch.equal(host, rows)
-    too_big = torch.randn(1024, 16, dtype=torch.float64)  # 128 KiB > the slab
-    assert torch.equal(writer.to_host(too_big, step=2), too_big)
-    assert sizes == [64 * 1024] * 3 + [128 * 1024]
-    writer.staging = "cache"
-    writer.to_host(small, step=3)
-    assert sizes[-1] == 96  # the default: a block of their own size
+    writer.staging = "pool"
+    writer.slabs = host_memory.SlabPool(slab_bytes, slabs, pin=False)
+    monkeypatch.setattr(extract, "_writer", writer)
+    return writer
+
+
+def test_the_pool_lends_a_slab_per_location_and_takes_it_back_when_every_part_holding_it_is_written(tmp_path,
+                                                                                                   monkeypatch):
+    """``STAGING=pool``: a step's rows at each location go into one slab (no copy more); a step whose
+    rows belong to two parts keeps its slab until both are written (or dropped); the files are exact."""
+    from safetensors.torch import load_file
+
+    writer = _pool_writer(monkeypatch, slabs=4)
+    specs = [{"part": part, "index": i, "dir": str(tmp_path), "locations": ["m.output", "n.output"]}
+             for i, part in enumerate(["a", "b", "c"])]
+    want = {loc: torch.randn(30, 16) for loc in ("m.output", "n.output")}
+    step = extract.StepCapture(range(0, 30), [("r0", 0, 10, list(range(10)), specs[0]),
+                                              ("r1", 10, 20, list(range(20)), specs[1])], None, step=1)
+    for loc, rows in want.items():
+        step.values[loc] = writer.to_host(rows, step)
+    assert len(step.slabs) == 2 and writer.slabs.lent() == 2
+    writer.submit("capture", step)
+    del step
+    assert writer.slabs.lent() == 2  # held by parts a and b
+    assert writer.submit("commit", ("a", False))["rows"] == 10
+    assert writer.slabs.lent() == 2  # b still holds them
+    assert writer.submit("commit", ("b", False))["rows"] == 20
+    assert writer.slabs.lent() == 0 and extract.memory()["pool_lent"] == 0
+    for part, first, count in (("a", 0, 10), ("b", 10, 20)):
+        data = load_file(str(tmp_path / f"{part}.safetensors"))
+        for loc, rows in want.items():
+            assert torch.equal(data[loc], rows[first:first + count])
+    other = extract.StepCapture(range(0, 5), [("r2", 0, 5, list(range(5)), specs[2])], None, step=2)
+    other.values["m.output"] = writer.to_host(torch.randn(5, 16), other)
+    writer.submit("capture", other)
+    del other
+    assert writer.slabs.lent() == 1
+    writer.submit("discard", "c")  # a dropped part gives its slabs back too
+    assert writer.slabs.lent() == 0 and not writer.parts and writer.overflows == 0
+
+
+def test_a_full_pool_waits_while_files_are_written_and_else_stages_in_a_host_buffer(tmp_path, monkeypatch):
+    """No free slab: ``take`` waits while ``busy()`` (the writer has files to write) and lends the slab
+    given back; with nothing being written (every slab holds rows of incomplete parts) the rows go to a
+    pageable host buffer at once, counted as an overflow, and still reach their file."""
+    from safetensors.torch import load_file
+
+    pool = host_memory.SlabPool(4096, 1, pin=False)
+    held = pool.take(100)
+    assert held is not None and pool.take(100) is None  # none free, nothing written: no wait
+    assert pool.take(8192) is None  # larger than a slab
+    threading.Timer(0.2, held.release).start()
+    started = time.monotonic()
+    again = pool.take(100, busy=lambda: True)
+    assert again is held and time.monotonic() - started >= 0.15 and pool.waited_s >= 0.15
+
+    writer = _pool_writer(monkeypatch, slabs=1)
+    spec = {"part": "p", "index": 0, "dir": str(tmp_path), "locations": ["m.output"]}
+    first = extract.StepCapture(range(0, 4), [("r0", 0, 4, list(range(4)), spec)], None, step=1)
+    first.values["m.output"] = writer.to_host(torch.ones(4, 16), first)
+    writer.submit("capture", first)
+    rows = torch.randn(6, 16)
+    second = extract.StepCapture(range(0, 6), [("r1", 0, 6, list(range(6)), dict(spec, index=1))], None, step=2)
+    second.values["m.output"] = writer.to_host(rows, second)
+    assert not second.slabs and writer.overflows == 1 and extract.memory()["host_mb"] > 0
+    writer.submit("capture", second)
+    del first, second
+    assert writer.submit("commit", ("p", False))["rows"] == 10
+    data = load_file(str(tmp_path / "p.safetensors"))
+    assert torch.equal(data["m.output"][4:], rows) and torch.equal(data["m.output"][:4], torch.ones(4, 16))
+    gc.collect()
+    held = extract.memory()
+    assert held["host_mb"] == 0 and held["pool_lent"] == 0 and held["pool_overflows"] == 1
+
+
+def test_the_pool_is_made_once_for_the_largest_step_and_two_steps_at_least(monkeypatch):
+    monkeypatch.setattr(extract, "PINNED_MB", 1)  # 1 MiB: 16 slabs of 64 KiB
+    writer = extract.Writer(0, 1, True)
+    pool = writer.ensure_slabs(64 * 1024, 4)
+    assert (pool.count, pool.slab_bytes) == (16, 64 * 1024) and writer.ensure_slabs(64 * 1024, 4) is pool
+    assert writer.ensure_slabs(512 * 1024, 4).count == 8  # larger slabs (none lent): remade, two steps of 4
+    assert writer._drop_staging() and writer.slabs is None
 
 
 def test_the_staging_changes_only_while_the_writer_holds_nothing(tmp_path, monkeypatch):
@@ -222,7 +288,7 @@ def test_the_staging_changes_only_while_the_writer_holds_nothing(tmp_path, monke
     writer = extract.Writer(0, 1, True)
     monkeypatch.setattr(extract, "_writer", writer)
     assert writer.staging == "cache"
-    with pytest.raises(ValueError, match="expected one of cache, ring, slab"):
+    with pytest.raises(ValueError, match="expected one of cache, ring, pool"):
         extract.set_staging("pinned")
     _capture(writer, "a", tmp_path)
     with pytest.raises(RuntimeError, match="1 part"):
@@ -231,7 +297,7 @@ def test_the_staging_changes_only_while_the_writer_holds_nothing(tmp_path, monke
     assert extract.set_staging("ring") == "ring" and extract.memory()["staging"] == "ring"
     writer.ring = extract.PinnedRing(4096, pin=False)
     writer.ring.take(torch.Size([8]), torch.float32, step=1)
-    with pytest.raises(RuntimeError, match="the ring holds rows"):
-        extract.set_staging("slab")
+    with pytest.raises(RuntimeError, match="its host memory holds rows"):
+        extract.set_staging("pool")
     writer.ring.give(1)
-    assert extract.set_staging("slab") == "slab" and writer.ring is None
+    assert extract.set_staging("pool") == "pool" and writer.ring is None
