@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 
-from .host_memory import (COPIER_THREADS, COPY_CHUNK_BYTES, PINNED_MB, RING_MB, STAGING, STAGINGS, PinnedRing, SlabPool,
-                          _mapped, host_buffer, pinned_rows, release_freed_memory, release_pinned_cache)
+from .host_memory import (RING_MB, STAGING, STAGINGS, Staging, _mapped, host_buffer, release_freed_memory,
+                          release_pinned_cache)
 from .safetensors_io import FORMAT, write_safetensors
 
 logger = logging.getLogger(__name__)
@@ -81,15 +81,7 @@ def memory() -> dict[str, Any]:
     if _writer is not None:
         with _writer.writing_lock:
             found.update(parts=len(_writer.parts), writing=_writer.writing)
-        if _writer.staging != "cache":
-            found["staging"] = _writer.staging
-        ring, slabs = _writer.ring, _writer.slabs
-        if ring is not None:
-            found.update(ring_mb=ring.size / 1e6, ring_used_mb=ring.used() / 1e6, ring_wait_s=round(ring.waited_s, 3),
-                         ring_overflows=_writer.overflows)
-        if slabs is not None:
-            found.update(pool_mb=slabs.count * slabs.slab_bytes / 1e6, pool_lent=slabs.lent(), pool_slabs=slabs.count,
-                         pool_wait_s=round(slabs.waited_s, 3), pool_overflows=_writer.overflows)
+        found.update(_writer.host.gauge())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         stats = torch.cuda.memory.host_memory_stats()
         found.update(pinned_mb=stats.get("allocated_bytes.current", 0) / 1e6,
@@ -188,12 +180,7 @@ class Writer:
         self.writing_lock = threading.Lock()
         self.filed = 0  # captures filed so far: an idle release checks that none came since it was planned
         self.idle_after_s = PINNED_IDLE_S
-        self.ring: PinnedRing | None = None  # made by the first capture on CUDA (``ensure_ring``)
-        self.ring_lock = threading.Lock()
-        self.slabs: SlabPool | None = None  # staging "pool": made by the first capture on CUDA (``ensure_slabs``)
-        self.overflows = 0  # rows staged outside the ring or the pool (too large for it, or it stayed full)
-        self.staging = STAGING  # where rows wait (host_memory); ``set_staging`` changes it while idle
-        self.copier = ThreadPoolExecutor(COPIER_THREADS, thread_name_prefix="nnsight-ray-extract-copy")
+        self.host = Staging(STAGING)  # where rows wait (host_memory); ``set_staging`` changes it while idle
         # Files are written by a pool: one thread's write (and fsync) is a fraction of what a disk takes
         # (measured on the GPU host: 1.1 GiB/s for one thread with fsync, 1.8 for four; 3.7 and 14 without).
         self.pool = ThreadPoolExecutor(WRITER_THREADS, thread_name_prefix="nnsight-ray-extract-write")
@@ -262,51 +249,17 @@ class Writer:
     def _release_when_still_idle(self, filed: int) -> None:
         """Return the pinned cache if no capture is filed and nothing held for ``idle_after_s`` from now."""
         if self.idle_after_s <= 0:
-            if self._drop_staging():
+            if self.host.drop():
                 release_pinned_cache()
             return
 
         def check() -> None:
-            if self.filed == filed and self._idle() and self._drop_staging():
+            if self.filed == filed and self._idle() and self.host.drop():
                 release_pinned_cache()
 
         timer = threading.Timer(self.idle_after_s, check)
         timer.daemon = True
         timer.start()
-
-    # -- the staging ring ------------------------------------------------------
-
-    def ensure_ring(self, nbytes: int) -> PinnedRing:
-        """The ring, made (or, while empty, remade) at least ``nbytes`` large."""
-        with self.ring_lock:
-            ring = self.ring
-            if ring is None or (ring.size < nbytes and not ring.used()):
-                self.ring = ring = None  # the old buffer goes back to PyTorch's cache first
-                self.ring = ring = PinnedRing(nbytes)
-                logger.info("extraction: a %d MB page-locked staging ring", nbytes >> 20)
-            return ring
-
-    def ensure_slabs(self, slab_bytes: int, locations: int) -> SlabPool:
-        """The slab pool, made (or, while nothing is lent, remade) with slabs of at least ``slab_bytes``:
-        ``PINNED_MB`` in all, and at least two steps at ``locations`` locations."""
-        with self.ring_lock:
-            slabs = self.slabs
-            count = max(2 * max(locations, 1), (PINNED_MB << 20) // max(slab_bytes, 1))
-            if slabs is None or ((slabs.slab_bytes < slab_bytes or slabs.count < 2 * locations) and not slabs.lent()):
-                self.slabs = slabs = None  # the old slabs go back to PyTorch's cache first
-                started = time.monotonic()
-                self.slabs = slabs = SlabPool(slab_bytes, count, pin=torch.cuda.is_available())
-                logger.info("extraction: %d page-locked slabs of %d MB in %.2f s", count, slab_bytes >> 20,
-                            time.monotonic() - started)
-            return slabs
-
-    def _drop_staging(self) -> bool:
-        """Drop an unused ring and slab pool (an idle writer's); False if a capture or a part holds some of them."""
-        with self.ring_lock:
-            if (self.ring is not None and self.ring.used()) or (self.slabs is not None and self.slabs.lent()):
-                return False
-            self.ring = self.slabs = None
-            return True
 
     def _writes_pending(self) -> bool:
         """Files being written or commits queued: what gives slabs back (``SlabPool.take`` waits on it)."""
@@ -319,72 +272,21 @@ class Writer:
             raise ValueError(f"extraction staging {mode!r}: expected one of {', '.join(STAGINGS)}")
         with self.writing_lock:
             if not self._holds_nothing():
-                raise RuntimeError(f"extraction staging stays {self.staging!r}: {len(self.parts)} part(s) held, "
+                raise RuntimeError(f"extraction staging stays {self.host.mode!r}: {len(self.parts)} part(s) held, "
                                    f"{self.writing} being written; commit or discard them first")
-            if not self._drop_staging():
-                raise RuntimeError(f"extraction staging stays {self.staging!r}: its host memory holds rows")
-            self.staging = mode
+            if not self.host.drop():
+                raise RuntimeError(f"extraction staging stays {self.host.mode!r}: its host memory holds rows")
+            self.host.mode = mode
         return mode
 
     def to_host(self, taken: torch.Tensor, capture: StepCapture) -> torch.Tensor:
-        """Start the copy of device rows ``taken`` to the host (current stream: the caller's side stream),
-        as ``self.staging`` says: into the ring (a one-off pinned block when they do not fit), a slab of
-        the pool (a host buffer when none is free: that copy waits), or a pinned block of their own size."""
-        ring = self.ring if self.staging == "ring" else None
-        slabs = self.slabs if self.staging == "pool" else None
-        host = None
-        if ring is not None:
-            host = ring.take(taken.shape, taken.dtype, capture.step)
-            if host is None:
-                self._overflow(f"a step's rows did not fit the {ring.size >> 20} MB staging ring; a one-off pinned "
-                               "block (NNSIGHT_RAY_EXTRACT_RING_MB sets its size)")
-        elif slabs is not None:
-            slab = slabs.take(taken.numel() * taken.dtype.itemsize, self._writes_pending)
-            if slab is None:
-                self._overflow(f"no free slab in the {slabs.count} x {slabs.slab_bytes >> 20} MB pool and nothing "
-                               "being written (every slab holds rows of parts not yet complete); the step's rows "
-                               "go through pageable memory (NNSIGHT_RAY_EXTRACT_PINNED_MB sets the pool's size)")
-                host = host_buffer(taken.shape, taken.dtype)
-            else:
-                capture.slabs.append(slab)
-                host = slab.view(taken.shape, taken.dtype)
-        if host is None:
-            host = pinned_rows(taken.shape, taken.dtype)
-        host.copy_(taken, non_blocking=True)
-        return host
-
-    def _overflow(self, why: str) -> None:
-        self.overflows += 1
-        if self.overflows == 1 or self.overflows % 100 == 0:
-            logger.warning("extraction (%d so far): %s", self.overflows, why)
-
-    def _unstage(self, capture: StepCapture) -> None:
-        """Copy the step's ring views into host buffers (``host_buffer``, by the copier pool); ``_file`` frees its spans."""
-        ring = self.ring
-        if ring is None:
-            return
-        base = ring.buffer.data_ptr()
-        jobs = []
-        for location, staged in list(capture.values.items()):
-            if not base <= staged.data_ptr() < base + ring.size:
-                continue  # a one-off block: stays as it is
-            host = host_buffer(staged.shape, staged.dtype)
-            flat_from, flat_to = staged.view(-1), host.view(-1)
-            chunk = max(1, COPY_CHUNK_BYTES // staged.element_size())
-            for start in range(0, flat_from.numel(), chunk):
-                jobs.append(self.copier.submit(flat_to[start:start + chunk].copy_, flat_from[start:start + chunk]))
-            capture.values[location] = host
-        for job in jobs:
-            job.result()
+        """Start the copy of device rows ``taken`` to the host (``Staging.to_host``); a slab it takes is the capture's."""
+        return self.host.to_host(taken, capture.step, capture.slabs, self._writes_pending)
 
     def _file(self, capture: StepCapture) -> None:
         if capture.event is not None:
             capture.event.synchronize()
-        try:
-            self._unstage(capture)
-        finally:
-            if self.ring is not None:
-                self.ring.give(capture.step)  # (also when copying failed: the ring must not stay full)
+        self.host.unstage(capture.values, capture.step)
         now = time.monotonic()
         try:
             touched: dict[int, Part] = {}
@@ -549,15 +451,15 @@ class ExtractRunnerMixin:
             self._extract_steps += 1
             self._extract_step = StepCapture(row_index(spans, device), requests,
                                              DTYPES.get(dtype) if dtype else None, step=self._extract_steps)
-            staging = writer().staging
+            staging = writer().host.mode
             if torch.device(device).type == "cuda" and staging in ("ring", "pool"):
                 largest = self._extract_largest(self._extract_step.dtype)
                 locations = len({loc for *_, spec in requests for loc in spec["locations"]
                                  if self._extract_hooks.get(loc) is not None})
                 if staging == "ring":  # RING_MB, or twice the largest step at every asked location if larger
-                    writer().ensure_ring(max(RING_MB << 20, 2 * largest * locations))
+                    writer().host.ensure_ring(max(RING_MB << 20, 2 * largest * locations))
                 else:
-                    writer().ensure_slabs(largest, locations)
+                    writer().host.ensure_slabs(largest, locations)
 
     def _extract_largest(self, dtype: torch.dtype | None) -> int:
         """Bytes of the largest capture of one location: every token of a full batch (0 if unknown)."""
@@ -589,7 +491,7 @@ class ExtractRunnerMixin:
             if step is None:
                 return
             device_side = residual_parts(output)[0].is_cuda
-            into = host_buffer if not device_side and writer().staging == "ring" else None
+            into = host_buffer if not device_side and writer().host.mode == "ring" else None
             taken = capture(output, step.rows, step.dtype, into)
             if device_side:
                 # On a side stream: the copy to the host overlaps the next layers' kernels.

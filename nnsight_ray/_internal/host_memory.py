@@ -2,7 +2,22 @@
 
 Where a step's rows wait for their commit (``NNSIGHT_RAY_EXTRACT_STAGING``):
 
-- ``cache`` (the default): in pinned blocks from PyTorch's caching host
+- ``pool`` (the default): a fixed pool of page-locked slabs, each as large as the largest
+  step one location can capture (``max_num_batched_tokens`` rows), made at
+  the first capture (``NNSIGHT_RAY_EXTRACT_PINNED_MB`` in all, at least two
+  steps' worth). A step's rows stay in their slab until every part holding
+  them is written, then the slab goes back to the pool: no copy more than
+  ``cache``, and pinned memory fixed. When no slab is free the forward waits
+  while the writer has files to write (back-pressure), and otherwise (every
+  slab holds rows of parts not yet complete) stages that step in a host
+  buffer (``host_buffer``, pageable, unmapped once written; counted as an
+  overflow). Measured on the H200 (2,048 prompts of 256 tokens a run, 4
+  layers, 48 slabs of 64 MiB): 0.87x plain prefill, 5.0 GB/s, the rank's
+  RSS 4,974 -> 4,978 MB over 11 runs, pinned 3,289 MB every run, the
+  forward waiting ~0.07 s a run for slabs. Before it, ``slab`` (one-size
+  blocks from PyTorch's cache, no cap) ratcheted like ``cache``: pinned
+  2.3 -> 3.6 GB over 11 runs.
+- ``cache``: in pinned blocks from PyTorch's caching host
   allocator. Two copies after the forward: device -> pinned (on a side CUDA
   stream, overlapping the next layers), pinned -> file. The fastest measured
   (0.88x plain prefill, 5.0 GB/s, H200), but that cache keeps every freed
@@ -17,17 +32,6 @@ Where a step's rows wait for their commit (``NNSIGHT_RAY_EXTRACT_STAGING``):
   copiers: the forward waited 0.8 s a run for the ring); 3 GiB and 12
   copiers did not wait and still ran 2.0 s against 1.7 (another run:
   faulting fresh pages in and unmapping them competes with the forward).
-- ``pool``: a fixed pool of page-locked slabs, each as large as the largest
-  step one location can capture (``max_num_batched_tokens`` rows), made at
-  the first capture (``NNSIGHT_RAY_EXTRACT_PINNED_MB`` in all, at least two
-  steps' worth). A step's rows stay in their slab until every part holding
-  them is written, then the slab goes back to the pool: no copy more than
-  ``cache``, and pinned memory fixed. When no slab is free the forward waits
-  while the writer has files to write (back-pressure), and otherwise (every
-  slab holds rows of parts not yet complete) stages that step in a host
-  buffer (``host_buffer``, pageable, unmapped once written; counted as an
-  overflow). Before it, ``slab`` (one-size blocks from PyTorch's cache, no
-  cap) ratcheted like ``cache``: pinned 2.3 -> 3.6 GB over 11 runs (H200).
 
 On the CPU build ``ring`` computes the rows straight into mapped host
 buffers; the others as the model's tensors (no pinned memory there).
@@ -42,15 +46,16 @@ import mmap
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-# Where captured rows wait for their commit: "cache", "ring" or "pool" (the module docstring).
-STAGING = os.environ.get("NNSIGHT_RAY_EXTRACT_STAGING", "cache")
-STAGINGS = ("cache", "ring", "pool")
+# Where captured rows wait for their commit: "pool", "cache" or "ring" (the module docstring).
+STAGING = os.environ.get("NNSIGHT_RAY_EXTRACT_STAGING", "pool")
+STAGINGS = ("pool", "cache", "ring")
 if STAGING not in STAGINGS:
     raise ValueError(f"NNSIGHT_RAY_EXTRACT_STAGING={STAGING!r}: expected one of {', '.join(STAGINGS)}")
 # The staging ring's size; at least twice the largest step a rank can capture (``ensure_ring``).
@@ -271,3 +276,116 @@ class PinnedRing:
             while self.spans and self.spans[0][2] <= step:  # and any older step's that was never filed
                 self.spans.popleft()
             self.cond.notify_all()
+
+
+class Staging:
+    """Where a rank's captured rows wait for their file (``mode``: the module docstring), and the ring or
+    slab pool it keeps for that: made at the first capture that needs it, dropped when the writer idles."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.ring: PinnedRing | None = None  # mode "ring" (``ensure_ring``)
+        self.slabs: SlabPool | None = None  # mode "pool" (``ensure_slabs``)
+        self.lock = threading.Lock()
+        self.overflows = 0  # rows staged outside the ring or the pool (too large for it, or it stayed full)
+        self.copier = ThreadPoolExecutor(COPIER_THREADS, thread_name_prefix="nnsight-ray-extract-copy")
+
+    def ensure_ring(self, nbytes: int) -> PinnedRing:
+        """The ring, made (or, while empty, remade) at least ``nbytes`` large."""
+        with self.lock:
+            ring = self.ring
+            if ring is None or (ring.size < nbytes and not ring.used()):
+                self.ring = ring = None  # the old buffer goes back to PyTorch's cache first
+                self.ring = ring = PinnedRing(nbytes)
+                logger.info("extraction: a %d MB page-locked staging ring", nbytes >> 20)
+            return ring
+
+    def ensure_slabs(self, slab_bytes: int, locations: int) -> SlabPool:
+        """The slab pool, made (or, while nothing is lent, remade) with slabs of at least ``slab_bytes``:
+        ``PINNED_MB`` in all, and at least two steps at ``locations`` locations."""
+        with self.lock:
+            slabs = self.slabs
+            count = max(2 * max(locations, 1), (PINNED_MB << 20) // max(slab_bytes, 1))
+            if slabs is None or ((slabs.slab_bytes < slab_bytes or slabs.count < 2 * locations) and not slabs.lent()):
+                self.slabs = slabs = None  # the old slabs go back to PyTorch's cache first
+                started = time.monotonic()
+                self.slabs = slabs = SlabPool(slab_bytes, count, pin=torch.cuda.is_available())
+                logger.info("extraction: %d page-locked slabs of %d MB in %.2f s", count, slab_bytes >> 20,
+                            time.monotonic() - started)
+            return slabs
+
+    def drop(self) -> bool:
+        """Drop an unused ring and slab pool (an idle writer's); False if rows are in some of them."""
+        with self.lock:
+            if (self.ring is not None and self.ring.used()) or (self.slabs is not None and self.slabs.lent()):
+                return False
+            self.ring = self.slabs = None
+            return True
+
+    def to_host(self, taken: torch.Tensor, step: int, lent: list, busy: Any) -> torch.Tensor:
+        """Start the copy of device rows ``taken`` to the host (current stream: the caller's side stream), as
+        ``mode`` says: into the ring (a one-off pinned block when they do not fit), a slab of the pool (appended
+        to ``lent``; a host buffer when none is free and not ``busy()``: that copy waits), or a pinned block of
+        their own size."""
+        ring = self.ring if self.mode == "ring" else None
+        slabs = self.slabs if self.mode == "pool" else None
+        host = None
+        if ring is not None:
+            host = ring.take(taken.shape, taken.dtype, step)
+            if host is None:
+                self._overflow(f"a step's rows did not fit the {ring.size >> 20} MB staging ring; a one-off pinned "
+                               "block (NNSIGHT_RAY_EXTRACT_RING_MB sets its size)")
+        elif slabs is not None:
+            slab = slabs.take(taken.numel() * taken.dtype.itemsize, busy)
+            if slab is None:
+                self._overflow(f"no free slab in the {slabs.count} x {slabs.slab_bytes >> 20} MB pool and nothing "
+                               "being written (every slab holds rows of parts not yet complete); the step's rows "
+                               "go through pageable memory (NNSIGHT_RAY_EXTRACT_PINNED_MB sets the pool's size)")
+                host = host_buffer(taken.shape, taken.dtype)
+            else:
+                lent.append(slab)
+                host = slab.view(taken.shape, taken.dtype)
+        if host is None:
+            host = pinned_rows(taken.shape, taken.dtype)
+        host.copy_(taken, non_blocking=True)
+        return host
+
+    def _overflow(self, why: str) -> None:
+        self.overflows += 1
+        if self.overflows == 1 or self.overflows % 100 == 0:
+            logger.warning("extraction (%d so far): %s", self.overflows, why)
+
+    def unstage(self, values: dict[str, torch.Tensor], step: int) -> None:
+        """Copy ``step``'s ring views in ``values`` into host buffers (``host_buffer``, by the copier pool) and
+        free its spans (also when copying failed: the ring must not stay full)."""
+        ring = self.ring
+        if ring is None:
+            return
+        try:
+            base = ring.buffer.data_ptr()
+            jobs = []
+            for location, staged in list(values.items()):
+                if not base <= staged.data_ptr() < base + ring.size:
+                    continue  # a one-off block: stays as it is
+                host = host_buffer(staged.shape, staged.dtype)
+                flat_from, flat_to = staged.view(-1), host.view(-1)
+                chunk = max(1, COPY_CHUNK_BYTES // staged.element_size())
+                for start in range(0, flat_from.numel(), chunk):
+                    jobs.append(self.copier.submit(flat_to[start:start + chunk].copy_, flat_from[start:start + chunk]))
+                values[location] = host
+            for job in jobs:
+                job.result()
+        finally:
+            ring.give(step)
+
+    def gauge(self) -> dict[str, Any]:
+        """The memory gauge's part (``extract.memory``): the mode when not the default, the ring, the pool."""
+        found: dict[str, Any] = {} if self.mode == STAGINGS[0] else {"staging": self.mode}
+        ring, slabs = self.ring, self.slabs
+        if ring is not None:
+            found.update(ring_mb=ring.size / 1e6, ring_used_mb=ring.used() / 1e6, ring_wait_s=round(ring.waited_s, 3),
+                         ring_overflows=self.overflows)
+        if slabs is not None:
+            found.update(pool_mb=slabs.count * slabs.slab_bytes / 1e6, pool_lent=slabs.lent(), pool_slabs=slabs.count,
+                         pool_wait_s=round(slabs.waited_s, 3), pool_overflows=self.overflows)
+        return found

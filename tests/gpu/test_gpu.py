@@ -214,7 +214,7 @@ def test_extraction_files_match_transformers(rayvllm, hf, tmp_path, staging):
         (held,) = engine.collective_rpc("nnsight_ray_extract_memory")
         assert held["parts"] == 0 and held["host_mb"] == 0, held
     finally:
-        engine.collective_rpc("nnsight_ray_extract_staging", args=("cache",))
+        engine.collective_rpc("nnsight_ray_extract_staging", args=("pool",))  # the default
     data = load_file(written["file"])
     for index, prompt in enumerate(PROMPTS):
         rows = data["prompt_index"] == index

@@ -230,7 +230,7 @@ def test_extraction_files_equal_single_device(engine, reference, tmp_path):
             assert all((before[k] == after[k]).all() for k in before)
         assert all(h["host_mb"] == 0 and h["parts"] == 0 for h in rpc("nnsight_ray_extract_memory"))
     finally:
-        assert rpc("nnsight_ray_extract_staging", args=("cache",)) == ["cache"] * ranks
+        assert rpc("nnsight_ray_extract_staging", args=("pool",)) == ["pool"] * ranks  # the default
 
 
 @ray_layouts

@@ -105,7 +105,7 @@ def test_the_memory_gauge_counts_held_parts_until_they_are_committed(tmp_path, m
 
 
 def test_the_ring_hands_out_spans_first_in_first_out_and_wraps():
-    ring = extract.PinnedRing(4 * 4096, pin=False)
+    ring = host_memory.PinnedRing(4 * 4096, pin=False)
     a = ring.take(torch.Size([1024]), torch.float32, step=1)  # one page each
     b = ring.take(torch.Size([2, 512]), torch.float32, step=1)
     c = ring.take(torch.Size([1024]), torch.float32, step=2)
@@ -124,7 +124,7 @@ def test_the_ring_hands_out_spans_first_in_first_out_and_wraps():
 
 def test_a_full_ring_makes_the_next_step_wait_for_the_writer():
     """Back-pressure: a hook waits while earlier steps fill the ring, and goes on once they are copied out."""
-    ring = extract.PinnedRing(2 * 4096, pin=False)
+    ring = host_memory.PinnedRing(2 * 4096, pin=False)
     ring.take(torch.Size([2048]), torch.float32, step=1)
     got = []
     waiter = threading.Thread(target=lambda: got.append(ring.take(torch.Size([1024]), torch.float32, step=2)))
@@ -167,13 +167,13 @@ def test_the_writer_copies_a_step_out_of_the_ring_frees_it_and_writes_the_rows(t
     written exactly, and nothing held once the part is committed."""
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(extract, "COPY_CHUNK_BYTES", 4096 * 3)  # 14 pieces, copied by the pool
+    monkeypatch.setattr(host_memory, "COPY_CHUNK_BYTES", 4096 * 3)  # 14 pieces, copied by the pool
     writer = extract.Writer(0, 1, True)
-    writer.staging = "ring"
-    writer.ring = extract.PinnedRing(1 << 20, pin=False)
+    writer.host.mode = "ring"
+    writer.host.ring = host_memory.PinnedRing(1 << 20, pin=False)
     monkeypatch.setattr(extract, "_writer", writer)
     want = torch.randn(40, 1024, dtype=torch.float32) * 100
-    staged = writer.ring.take(want.shape, want.dtype, step=7)
+    staged = writer.host.ring.take(want.shape, want.dtype, step=7)
     staged.copy_(want)
     spec = {"part": "p", "index": 0, "dir": str(tmp_path), "locations": ["m.output"]}
     spec2 = dict(spec, index=1)
@@ -181,8 +181,8 @@ def test_the_writer_copies_a_step_out_of_the_ring_frees_it_and_writes_the_rows(t
                                None, values={"m.output": staged}, step=7)
     del staged
     writer.submit("capture", step)
-    assert writer.ring.used() == 0  # copied out and freed when filed
-    assert not (step.values["m.output"].data_ptr() == writer.ring.buffer.data_ptr())
+    assert writer.host.ring.used() == 0  # copied out and freed when filed
+    assert not (step.values["m.output"].data_ptr() == writer.host.ring.buffer.data_ptr())
     del step
     assert extract.memory()["host_mb"] > 0
     written = writer.submit("commit", ("p", False))
@@ -196,8 +196,8 @@ def test_the_writer_copies_a_step_out_of_the_ring_frees_it_and_writes_the_rows(t
 
 def _pool_writer(monkeypatch, slabs: int, slab_bytes: int = 64 * 1024) -> "extract.Writer":
     writer = extract.Writer(0, 1, True)
-    writer.staging = "pool"
-    writer.slabs = host_memory.SlabPool(slab_bytes, slabs, pin=False)
+    writer.host.mode = "pool"
+    writer.host.slabs = host_memory.SlabPool(slab_bytes, slabs, pin=False)
     monkeypatch.setattr(extract, "_writer", writer)
     return writer
 
@@ -216,14 +216,14 @@ def test_the_pool_lends_a_slab_per_location_and_takes_it_back_when_every_part_ho
                                               ("r1", 10, 20, list(range(20)), specs[1])], None, step=1)
     for loc, rows in want.items():
         step.values[loc] = writer.to_host(rows, step)
-    assert len(step.slabs) == 2 and writer.slabs.lent() == 2
+    assert len(step.slabs) == 2 and writer.host.slabs.lent() == 2
     writer.submit("capture", step)
     del step
-    assert writer.slabs.lent() == 2  # held by parts a and b
+    assert writer.host.slabs.lent() == 2  # held by parts a and b
     assert writer.submit("commit", ("a", False))["rows"] == 10
-    assert writer.slabs.lent() == 2  # b still holds them
+    assert writer.host.slabs.lent() == 2  # b still holds them
     assert writer.submit("commit", ("b", False))["rows"] == 20
-    assert writer.slabs.lent() == 0 and extract.memory()["pool_lent"] == 0
+    assert writer.host.slabs.lent() == 0 and extract.memory()["pool_lent"] == 0
     for part, first, count in (("a", 0, 10), ("b", 10, 20)):
         data = load_file(str(tmp_path / f"{part}.safetensors"))
         for loc, rows in want.items():
@@ -232,9 +232,9 @@ def test_the_pool_lends_a_slab_per_location_and_takes_it_back_when_every_part_ho
     other.values["m.output"] = writer.to_host(torch.randn(5, 16), other)
     writer.submit("capture", other)
     del other
-    assert writer.slabs.lent() == 1
+    assert writer.host.slabs.lent() == 1
     writer.submit("discard", "c")  # a dropped part gives its slabs back too
-    assert writer.slabs.lent() == 0 and not writer.parts and writer.overflows == 0
+    assert writer.host.slabs.lent() == 0 and not writer.parts and writer.host.overflows == 0
 
 
 def test_a_full_pool_waits_while_files_are_written_and_else_stages_in_a_host_buffer(tmp_path, monkeypatch):
@@ -260,7 +260,7 @@ def test_a_full_pool_waits_while_files_are_written_and_else_stages_in_a_host_buf
     rows = torch.randn(6, 16)
     second = extract.StepCapture(range(0, 6), [("r1", 0, 6, list(range(6)), dict(spec, index=1))], None, step=2)
     second.values["m.output"] = writer.to_host(rows, second)
-    assert not second.slabs and writer.overflows == 1 and extract.memory()["host_mb"] > 0
+    assert not second.slabs and writer.host.overflows == 1 and extract.memory()["host_mb"] > 0
     writer.submit("capture", second)
     del first, second
     assert writer.submit("commit", ("p", False))["rows"] == 10
@@ -272,12 +272,12 @@ def test_a_full_pool_waits_while_files_are_written_and_else_stages_in_a_host_buf
 
 
 def test_the_pool_is_made_once_for_the_largest_step_and_two_steps_at_least(monkeypatch):
-    monkeypatch.setattr(extract, "PINNED_MB", 1)  # 1 MiB: 16 slabs of 64 KiB
+    monkeypatch.setattr(host_memory, "PINNED_MB", 1)  # 1 MiB: 16 slabs of 64 KiB
     writer = extract.Writer(0, 1, True)
-    pool = writer.ensure_slabs(64 * 1024, 4)
-    assert (pool.count, pool.slab_bytes) == (16, 64 * 1024) and writer.ensure_slabs(64 * 1024, 4) is pool
-    assert writer.ensure_slabs(512 * 1024, 4).count == 8  # larger slabs (none lent): remade, two steps of 4
-    assert writer._drop_staging() and writer.slabs is None
+    pool = writer.host.ensure_slabs(64 * 1024, 4)
+    assert (pool.count, pool.slab_bytes) == (16, 64 * 1024) and writer.host.ensure_slabs(64 * 1024, 4) is pool
+    assert writer.host.ensure_slabs(512 * 1024, 4).count == 8  # larger slabs (none lent): remade, two steps of 4
+    assert writer.host.drop() and writer.host.slabs is None
 
 
 def test_the_staging_changes_only_while_the_writer_holds_nothing(tmp_path, monkeypatch):
@@ -287,17 +287,17 @@ def test_the_staging_changes_only_while_the_writer_holds_nothing(tmp_path, monke
 
     writer = extract.Writer(0, 1, True)
     monkeypatch.setattr(extract, "_writer", writer)
-    assert writer.staging == "cache"
-    with pytest.raises(ValueError, match="expected one of cache, ring, pool"):
+    assert writer.host.mode == "pool"  # the default
+    with pytest.raises(ValueError, match="expected one of pool, cache, ring"):
         extract.set_staging("pinned")
     _capture(writer, "a", tmp_path)
     with pytest.raises(RuntimeError, match="1 part"):
         extract.set_staging("ring")
     writer.submit("commit", ("a", False))
     assert extract.set_staging("ring") == "ring" and extract.memory()["staging"] == "ring"
-    writer.ring = extract.PinnedRing(4096, pin=False)
-    writer.ring.take(torch.Size([8]), torch.float32, step=1)
+    writer.host.ring = host_memory.PinnedRing(4096, pin=False)
+    writer.host.ring.take(torch.Size([8]), torch.float32, step=1)
     with pytest.raises(RuntimeError, match="its host memory holds rows"):
         extract.set_staging("pool")
-    writer.ring.give(1)
-    assert extract.set_staging("pool") == "pool" and writer.ring is None
+    writer.host.ring.give(1)
+    assert extract.set_staging("pool") == "pool" and writer.host.ring is None
