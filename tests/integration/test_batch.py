@@ -404,7 +404,11 @@ def test_activation_resume_after_a_killed_run_has_every_token_row_once(ray_clust
 
 def test_a_killed_driver_that_started_its_engine_leaves_no_actor_and_no_reservation(ray_cluster, model_dir,
                                                                                      tmp_path):
-    """SIGKILL of a batch driver that deployed its own engine: Ray takes its actors and rank group with it."""
+    """SIGKILL of a batch driver that deployed its own engine: Ray takes its actors and rank group with it.
+
+    The batch driver deploys through ``RayVLLM.start_many``, as a user's own driver script deploys
+    ``RayVLLM``: this is also that case (test_ray_vllm.py had a script of its own for it, one more
+    engine start for the same mechanism: non-detached actors and groups go with their owner)."""
     import ray
 
     prompts = [f"orphan {i}" for i in range(400)]

@@ -321,48 +321,6 @@ def _named_actors(prefix: str) -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
 
 
-def test_a_killed_driver_leaves_no_actor_and_no_reservation(ray_cluster, model_dir, tmp_path):
-    """A driver (as a batch job's is) SIGKILLed with its engine up: its actors, ranks and
-    rank placement group all go with it."""
-    from nnsight_ray._internal.options import placement_group_name
-
-    name = "killed-driver"
-    script = tmp_path / "deploying_driver.py"
-    # "Ready" is a file, not a stdout line: Ray forwards the workers' logs to the driver's
-    # stdout from another thread, and a progress bar's line (ended by \r, not \n) once
-    # swallowed a printed "ready" line, leaving this test reading until the driver exited.
-    ready = tmp_path / "ready"
-    script.write_text(textwrap.dedent("""
-        import json, pathlib, sys, time, ray
-        ray.init(address=sys.argv[1], namespace="nnsight_ray")
-        from nnsight_ray import RayVLLM
-        model = RayVLLM(sys.argv[2], name=sys.argv[3], **json.loads(sys.argv[4]))
-        pathlib.Path(sys.argv[5]).write_text("ready")
-        time.sleep(600)
-    """))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    with open(tmp_path / "driver.log", "w") as log:
-        driver = subprocess.Popen([sys.executable, str(script), ray_cluster.address, model_dir, name,
-                                   json.dumps(ENGINE_KWARGS), str(ready)], stdout=log, stderr=subprocess.STDOUT,
-                                  env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while not ready.exists() and driver.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert ready.exists() and driver.poll() is None, \
-            f"the driver's engine was not up in 300 s: {(tmp_path / 'driver.log').read_text()[-2000:]}"
-        assert _live_placement_groups(placement_group_name(name)) == ["CREATED"]
-        assert f"{name}.pp0.tp0" in _named_actors(f"{name}.")
-    finally:
-        driver.kill()
-        driver.wait(timeout=30)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (_named_actors(f"{name}.") or _live_placement_groups(placement_group_name(name))):
-        time.sleep(1)
-    assert _named_actors(f"{name}.") == []
-    assert _live_placement_groups(placement_group_name(name)) == []
-
-
 def test_a_detached_reservation_stays_until_reclaimed_by_name(ray_cluster, tmp_path):
     """A detached deployment's group outlives its driver (and is removed by name: shutdown, or
     the next deployment of that name in deploy.launch)."""

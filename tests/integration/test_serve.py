@@ -1,9 +1,11 @@
 """The Ray Serve application over real HTTP on 127.0.0.1, real CPU engines.
 
-One application serves every test: two replicas, each its own pipeline-parallel
-engine (PP=2, two rank actors in a placement group of its own, SPREAD over the
-raylets), started once for the module (engines take a minute or two on this
-machine). Clients are nnsight's own: a meta-only ``LocalVLLM(path)`` with
+One application serves every test: two replicas, each owning its own engine (one
+rank actor in a placement group of its own), started once for the module (engines take a
+minute or two on this machine). Serve over a multi-rank engine is test_remote.py's (its
+replicas attach to the session's TP=2 engine); replicas owning PP=2 engines cost this
+module 50-80 s more on the 2-core CI machine and tested nothing Serve does differently.
+Clients are nnsight's own: a meta-only ``LocalVLLM(path)`` with
 ``serve=url``; values are checked against nnsight's in-process single-rank
 engine (``local_llama``).
 """
@@ -65,7 +67,7 @@ def served(ray_cluster, model_dir):
     # would share (and fight over) one port (docs/clusters.md, "Pitfalls").
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": model_dir, "engine_kwargs": ENGINE_KWARGS, "num_replicas": 2,
-                         "pipeline_parallel_size": 2, "placement_strategy": "SPREAD",
+                         "placement_strategy": "SPREAD",
                          "api_key": KEY, "max_body_bytes": MAX_BODY}), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     first = httpx.get(f"{url}/health", timeout=30)
@@ -482,7 +484,7 @@ def test_a_killed_rank_fails_its_requests_and_serve_replaces_the_replica(served,
     want = layer_and_logits(local_llama, "Hello world")[0]
     before = set(registry_status(APP)["engines"])
     victim = sorted(before)[0]
-    rank = f"{victim}.pp1.tp0"
+    rank = f"{victim}.pp0.tp0"
     stop = threading.Event()
     errors: list[tuple[float, str]] = []
     served_ok = []
