@@ -376,7 +376,8 @@ def tensors_of(value) -> list:
     return []
 
 
-def cache_differences(got, ref) -> list[str]:
+def cache_differences(got, ref, expect=lambda path, tensor: tensor) -> list[str]:
+    """Paths whose cached outputs differ; ``expect(path, tensor)`` turns a one-device value into the one wanted."""
     wrong = []
     # A path of one component (the root, "model") cannot be looked up in a cache that crossed a process
     # boundary (nnsight resolves it through the dropped envoy), on LocalVLLM as here.
@@ -386,6 +387,7 @@ def cache_differences(got, ref) -> list[str]:
             wrong.append(f"{path}: {len(actual)} tensors, one device {len(expected)}")
             continue
         for a, e in zip(actual, expected):
+            e = expect(path, e)
             err = ((a.float() - e.float()).norm() / e.float().norm().clamp_min(1e-12)).item() if a.shape == e.shape else None
             if err is None or err >= 1e-3:
                 wrong.append(f"{path}: {tuple(a.shape)} vs {tuple(e.shape)}, relative error {err}")
@@ -393,13 +395,42 @@ def cache_differences(got, ref) -> list[str]:
     return wrong
 
 
+def tensor_parallel_value(path: str, whole: torch.Tensor, tp: int = 2) -> torch.Tensor:
+    """What nnsight 0.8.1 gives at TP=``tp`` for the module at ``path``, from the one-device value ``whole``.
+
+    nnsight gathers a column-parallel layer's output by concatenating the ranks' pieces in rank order
+    (``VLLMFragments``); for a fused layer that is each rank's share of every part, rank by rank, not
+    the one-device layout (q | k | v, gate | up). A value inside a layer that is not itself parallel
+    (attention's per-head output, the MLP's activation) is never gathered: it is tensor-parallel rank 0's
+    piece, as for a plain ``.save()`` (nnsight reports one TP rank's values, its reads being gathered). The
+    tiny Llama has as many KV heads as heads, so q, k and v are equal thirds.
+    """
+    parts = {".qkv_proj": 3, ".gate_up_proj": 2}.get(next((s for s in (".qkv_proj", ".gate_up_proj") if path.endswith(s)), ""))
+    if parts:
+        pieces = [part.chunk(tp, dim=-1) for part in whole.chunk(parts, dim=-1)]
+        return torch.cat([piece[rank] for rank in range(tp) for piece in pieces], dim=-1)
+    if path.endswith((".self_attn.attn", ".mlp.act_fn")):
+        return whole.chunk(tp, dim=-1)[0]
+    return whole
+
+
 @cached_layouts
-def test_full_cache_matches_single_device(pp, ref):
+def test_full_cache_matches_single_device(engine, pp, ref):
+    """Every module's cached output is the one-device value, as nnsight defines it at the engine's TP.
+
+    At TP=2 (``tp2pp2``) the fused and the rank-local modules differ from one device by layout
+    (``tensor_parallel_value``); a finding of CI at 967ec72, written down in docs/nnsight-suite.md.
+    """
     want, got = cached(ref), cached(pp)
     layers = [f"model.model.layers.{i}" for i in range(N_LAYERS)]
     assert all(path in got for path in layers), got
     assert set(got.keys()) == set(want.keys())
-    wrong = cache_differences(got, want)
+    tensor_parallel = engine[0] == "tp2pp2"
+    as_one_device = [w.split(":")[0] for w in cache_differences(got, want) if ".rotary_emb:" not in w]
+    by_layout = [f"model.model.layers.{i}.{module}" for i in range(N_LAYERS) for module in
+                 ("self_attn.qkv_proj", "self_attn.attn", "mlp.gate_up_proj", "mlp.act_fn")]
+    assert sorted(as_one_device) == (sorted(by_layout) if tensor_parallel else []), as_one_device
+    wrong = cache_differences(got, want, tensor_parallel_value if tensor_parallel else (lambda path, tensor: tensor))
     # vLLM builds one rotary embedding (``get_rope`` caches it) and every layer's attention holds it: on one
     # device each layer's ``rotary_emb`` path records all four layers' calls, on a stage only its own layers'.
     shared = [w for w in wrong if ".rotary_emb:" in w]
@@ -776,7 +807,7 @@ def test_killed_rank_or_merge_fails_every_waiter_and_engine_rebuilds(engine, mod
 
 @pytest.mark.parametrize("engine", ["tp2pp2"], indirect=True, scope="module")
 def test_killed_tp_rank_engine_actor_or_core_process_fail_every_waiter(engine, model_dir):
-    """A tensor-parallel rank dies (the issue's TP=2 case); on a rebuilt (one-rank) deployment, the engine actor
+    """A tensor-parallel rank dies (the issue's TP=2 case); on a rebuilt (PP=2) deployment, the engine actor
     (the merge actor's watch fails every waiter, naming it); on another, vLLM's engine-core process
     (SIGKILL: the ranks it owns die with it, and the message names the process, not a rank).
     Shutdown cleans up every time.
@@ -793,16 +824,17 @@ def test_killed_tp_rank_engine_actor_or_core_process_fail_every_waiter(engine, m
     victim.shutdown()
     nothing_left(name)
 
-    # The engine actor's and the core process's deaths do not depend on the layout: one rank starts
-    # faster than four on the suite's two cores.
-    rebuilt = RayVLLM(model_dir, name=name, **ENGINE_KWARGS)
+    # The engine actor's and the core process's deaths do not depend on the layout: two ranks
+    # (PP=2) start faster than four on the suite's two cores. Not one rank: its waiters' work
+    # finishes before the kill lands (CI at 967ec72: "generate returned ...").
+    rebuilt = RayVLLM(model_dir, name=name, **LAYOUTS["pp2"], **ENGINE_KWARGS)
     try:
         kill_and_check(rebuilt, name, f"{name}.engine", f"engine actor {name}.engine on node ")
     finally:
         rebuilt.shutdown()
     nothing_left(name)
 
-    rebuilt = RayVLLM(model_dir, name=name, **ENGINE_KWARGS)
+    rebuilt = RayVLLM(model_dir, name=name, **LAYOUTS["pp2"], **ENGINE_KWARGS)
     try:
         (pid,) = rebuilt.health()["core_pids"]
         kill_and_check(rebuilt, name, f"{name}.pp0.tp0", f"vLLM's engine core process (pid {pid})",

@@ -3,8 +3,8 @@
 One application serves every test: two replicas, each owning its own engine (one
 rank actor in a placement group of its own), started once for the module (engines take a
 minute or two on this machine). Serve over a multi-rank engine is test_remote.py's (its
-replicas attach to the session's TP=2 engine); replicas owning PP=2 engines cost this
-module 50-80 s more on the 2-core CI machine and tested nothing Serve does differently.
+replicas attach to the session's TP=2 engine); replicas owning PP=2 engines (until
+967ec72) started two rank workers each on the 2-core CI machine and tested nothing Serve does differently.
 Clients are nnsight's own: a meta-only ``LocalVLLM(path)`` with
 ``serve=url``; values are checked against nnsight's in-process single-rank
 engine (``local_llama``).
