@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import time
 from typing import Any
 
 from nnsight.modeling.vllm import VLLM
@@ -186,9 +187,14 @@ class LocalVLLM(VLLM):
         from ._internal import envoy_refs
         from ._internal.shared_blocks import shared_reductions
 
+        from ._internal.timeline import ATTACHED, CALLER
+
+        began = time.monotonic()
         refs = envoy_refs.same_tree_as_ranks(self, self._pipeline_stages())
         with shared_reductions(self.interleaver.mediators), envoy_refs.by_reference(self) if refs else nullcontext():
-            return super()._attach_mediators(params, **kwargs)
+            mediators = super()._attach_mediators(params, **kwargs)
+        CALLER.mark(ATTACHED, len(params), began)
+        return mediators
 
     def step_modes(self) -> list[dict[str, int]]:
         """How each rank's steps ran, in rank order: ``graph`` (a full CUDA graph), ``piecewise`` (breakable

@@ -27,6 +27,7 @@ from typing import Any
 from .errors import EngineDeadError
 from ._internal import ray_errors
 from ._internal.options import RAY_OPTION_NAMES
+from ._internal.timeline import CALLER, SENT, with_gc
 from .local import LocalVLLM
 from .refs import RayRefBackend, no_ref
 
@@ -175,10 +176,12 @@ class RemoteEngine:
 
     def submit(self, prompts: Any, sampling_params: Any = None, lora_request: Any = None) -> tuple[str, int]:
         """Start the requests on the engine; returns ``(group, size)`` for the merge actor."""
+        began = time.monotonic()
         prompts, params, loras = self._lists(prompts, sampling_params, lora_request)
         group = uuid.uuid4().hex
         # Not awaited: the engine actor reports a refusal through the merge actor.
         self.engine.submit.remote(group, prompts, params, loras)
+        CALLER.mark(SENT, len(prompts), began)
         return group, len(prompts)
 
     def generate_async(self, prompts: Any, sampling_params: Any = None, lora_request: Any = None, **_: Any) -> Any:
@@ -259,7 +262,8 @@ class RemoteEngine:
         return self.wait(self.engine.resolved_config.remote())
 
     def timeline(self, since: float = 0.0) -> dict[str, list]:
-        return self.wait(self.engine.timeline.remote(since))
+        got = self.wait(self.engine.timeline.remote(since))
+        return {**got, "caller": with_gc(CALLER.since(since), since)}
 
     def health(self) -> dict[str, Any]:
         """The engine actor's health; if it cannot answer, what the GCS says of every actor."""
@@ -465,7 +469,8 @@ class RayVLLM(LocalVLLM):
 
     def timeline(self, since: float = 0.0) -> dict[str, list]:
         """What the engine did from ``since`` (``time.monotonic()`` on the engine's host) on: the engine
-        actor's submits, adds and request ends, and each rank's steps (start, tokens, end); a diagnostic
+        actor's submits, adds and request ends, each rank's steps (start, tokens, end), the merge actors'
+        fetches and hand-backs, and this process's attaches and sends (``caller``); a diagnostic
         (``_internal/timeline.py``; ``scripts/bench_gpu.py`` prints one line per workload)."""
         return self.vllm_entrypoint.timeline(since)
 

@@ -39,7 +39,10 @@ when the first and last request went into vLLM, the steps (how many, how many
 under half the largest, the rank's time in and between them, the first
 steps' tokens), the request ends, the stash collections, the merge actors'
 fetches, merges and hand-back, the result, and garbage collections of 2 ms or
-more per process. ``--spy S`` profiles with py-spy (``--spy-only`` names the
+more per process. The caller's own part comes first: ``attached N +a..+b`` (a
+trace's requests built: nnsight's attach, our shared reductions) and ``sent
++c..+d`` (the requests handed to Ray), so a late ``submit`` reads as the
+caller's work or as the way to the engine actor. ``--spy S`` profiles with py-spy (``--spy-only`` names the
 processes: on 2 cores, sampling all of them slows a run several times).
 
 Two versions of our code in one run: ``--tree old=DIR`` (a worktree of another
@@ -210,7 +213,9 @@ class Bench:
             import ray
 
             from nnsight_ray import RayVLLM
+            from nnsight_ray._internal.timeline import watch_gc
 
+            watch_gc()  # this process's long collections go into the rows' timelines ("caller gc")
             ray.init(namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
             began = time.perf_counter()  # the engine's start, not Ray's
             placement = {"cpus_per_rank": self.args.cpus_per_rank} if self.args.cpus_per_rank else {}
@@ -248,7 +253,8 @@ class Bench:
             got = self.model.timeline(began)
         except Exception as error:
             return f"(no timeline: {type(error).__name__}: {error})"
-        return summarize(began, ended, got["engine"], got["ranks"][0] if got["ranks"] else [], got.get("merges", []))
+        return summarize(began, ended, got["engine"], got["ranks"][0] if got["ranks"] else [], got.get("merges", []),
+                         got.get("caller", []))
 
     def stop(self) -> None:
         if self.engine.startswith("ray") and self.model is not None:

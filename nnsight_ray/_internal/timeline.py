@@ -22,6 +22,8 @@ SIZE = 16384
 STEP, SUBMIT, RENDER, ADDED, ENDED, COLLECT, GC = "step", "submit", "render", "added", "ended", "collect", "gc"
 # The merge actors': payloads fetched from the ranks (value: requests), a batch merged, a result handed back.
 FETCH, MERGED, HANDED = "fetch", "merged", "handed"
+# The caller's (``CALLER``): a trace's requests built (nnsight's attach, value: requests), requests sent to the engine.
+ATTACHED, SENT = "attached", "sent"
 
 # A garbage collection shorter than this is not recorded.
 GC_MIN_S = 0.002
@@ -42,6 +44,8 @@ class Timeline:
 
 # This process's garbage collections of GC_MIN_S or more (value: the generation), once ``watch_gc`` ran.
 GC_EVENTS = Timeline()
+# The caller's process: its traces' attaches and its sends (``LocalVLLM._attach_mediators``, ``RemoteEngine.submit``).
+CALLER = Timeline(size=1024)
 _gc_watched = False
 
 
@@ -82,11 +86,12 @@ def _of(events: list[tuple], kind: str) -> list[tuple]:
 
 
 def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterable[tuple],
-              merges: Iterable[tuple] = ()) -> str:
+              merges: Iterable[tuple] = (), caller: Iterable[tuple] = ()) -> str:
     """One run's timeline in a line, times in ms from ``began`` (the caller's call) to ``ended`` (its result).
 
     ``actor``: the engine actor's events; ``steps``: one rank's; ``merges``: the
-    merge actors' (fetches from the ranks, merges, results handed back). "Between" is the
+    merge actors' (fetches from the ranks, merges, results handed back); ``caller``: the
+    calling process's (a trace's attach, the send; its long garbage collections). "Between" is the
     time from one step's end to the next one's start (the rank waiting for work);
     a step with under half the tokens of the run's largest counts as part-empty.
     """
@@ -95,6 +100,12 @@ def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterabl
     rank = [e for e in steps if began <= e[0] <= ended]
     steps = sorted((e for e in rank if e[1] == STEP), key=lambda e: e[0])
     parts = []
+    caller = [e for e in caller if began <= e[0] <= ended]
+    attached, sent = _of(caller, ATTACHED), _of(caller, SENT)
+    if attached:
+        parts.append(f"attached {sum(e[2] for e in attached)} +{ms(attached[0][0])}..+{ms(attached[-1][3])}")
+    if sent:
+        parts.append(f"sent +{ms(sent[0][0])}..+{ms(sent[0][3])}")
     submits = _of(actor, SUBMIT)
     adds = _of(actor, ADDED)
     ends = _of(actor, ENDED)
@@ -133,6 +144,7 @@ def summarize(began: float, ended: float, actor: Iterable[tuple], steps: Iterabl
     if handed:
         parts.append(f"handed +{ms(handed[-1][3])}")
     parts.append(f"result +{ms(ended)}")
-    parts += [p for p in (_pauses(actor, "engine"), _pauses(rank, "rank"), _pauses(merges, "merge")) if p]
+    parts += [p for p in (_pauses(caller, "caller"), _pauses(actor, "engine"), _pauses(rank, "rank"),
+                          _pauses(merges, "merge")) if p]
     return "; ".join(parts)
 

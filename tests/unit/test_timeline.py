@@ -1,5 +1,5 @@
 """The run timeline's summary (pure logic; the events come from the engine actor and a rank)."""
-from nnsight_ray._internal.timeline import ADDED, COLLECT, ENDED, FETCH, GC, HANDED, MERGED, RENDER, STEP, SUBMIT, Timeline, summarize
+from nnsight_ray._internal.timeline import ADDED, ATTACHED, COLLECT, ENDED, FETCH, GC, HANDED, MERGED, RENDER, SENT, STEP, SUBMIT, Timeline, summarize
 
 
 def test_summary_reads_the_events_of_the_run_only():
@@ -16,6 +16,12 @@ def test_summary_says_when_the_merge_fetched_merged_and_handed_back():
     merges = [(10.2, FETCH, 64, 10.25), (10.25, MERGED, 64, 10.26), (10.3, HANDED, 64, 10.3), (9.0, FETCH, 1, 9.1)]
     line = summarize(10.0, 10.4, [], [], merges)
     assert line == "merge fetched 64 in 1, the last +200..+250; merged by +260; handed +300; result +400"
+
+
+def test_summary_puts_the_callers_attach_and_send_before_the_engines_submit():
+    caller = [(9.0, SENT, 1, 9.0), (10.002, ATTACHED, 256, 10.030), (10.031, SENT, 256, 10.033), (10.04, GC, 2, 10.09)]
+    line = summarize(10.0, 10.4, [(10.072, SUBMIT, 256, 10.072)], [], caller=caller)
+    assert line == "attached 256 +2..+30; sent +31..+33; submit +72; result +400; caller gc 1x 50 (longest 50)"
 
 
 def test_summary_of_a_run_with_no_events():
