@@ -36,14 +36,16 @@ compiled 256 (a third of the rank's 100 ms of block deserialization per
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import itertools
 import linecache
 import os
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from types import CodeType
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from .classes import extend
 
@@ -83,6 +85,17 @@ def rebuild_mediator(state: dict[str, Any]) -> Any:
     mediator.presaved = state["presaved"]
     mediator._nnsight_ray_block = (name, hit[1], len(source))
     return mediator
+
+
+def rebuild_mediator_from(blob: bytes) -> Any:
+    """``rebuild_mediator`` of a state pickled once for several invokes (``shared_blocks``).
+
+    Its envoy references resolve against the persistent objects of the ``Requests.add``
+    or ``register`` unpickling this request (``NamedRequests``); outside one, none.
+    """
+    from nnsight.intervention.serialization import loads
+
+    return rebuild_mediator(loads(blob, persistent_objects=_persistent_objects.get()))
 
 
 def _retarget(code: CodeType, filename: str) -> CodeType:
@@ -148,6 +161,20 @@ def held(runner: Any) -> dict[str, int]:
     }
 
 
+# The persistent objects of the unpickling under way on this thread (``NamedRequests``), for ``rebuild_mediator_from``.
+_persistent_objects: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
+    "nnsight_ray_persistent_objects", default=None)
+
+
+@contextmanager
+def _unpickling_with(persistent_objects: Optional[dict]) -> Iterator[None]:
+    token = _persistent_objects.set(persistent_objects)
+    try:
+        yield
+    finally:
+        _persistent_objects.reset(token)
+
+
 class NamedRequests:
     """Behaviour added to nnsight's ``Requests`` (class swap): rename blocks as they are deserialized.
 
@@ -159,14 +186,17 @@ class NamedRequests:
     nr_names: dict
 
     def add(self, new_requests: Any, persistent_objects: dict) -> None:
-        super().add(new_requests, persistent_objects)  # type: ignore[misc]
+        with _unpickling_with(persistent_objects):
+            super().add(new_requests, persistent_objects)  # type: ignore[misc]
         for data in new_requests:
             request = self.requests.get(data.req_id)  # type: ignore[attr-defined]
             if request is not None and request.mediator is not None and request.id not in self.nr_names:
                 self.nr_names[request.id] = rename(request.mediator)
 
     def register(self, registration_id: str, *args: Any, **kwargs: Any) -> None:
-        super().register(registration_id, *args, **kwargs)  # type: ignore[misc]
+        objects = kwargs.get("persistent_objects", args[1] if len(args) > 1 else None)
+        with _unpickling_with(objects):
+            super().register(registration_id, *args, **kwargs)  # type: ignore[misc]
         template = self.templates.get(registration_id)  # type: ignore[attr-defined]
         if template is not None:
             forget(self.nr_names.pop(("registration", registration_id), None))

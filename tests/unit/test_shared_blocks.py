@@ -61,6 +61,56 @@ def test_pickles_as_a_plain_mediator_that_nnsight_rebuilds():
         assert dict(ours.lcls.items()) == dict(theirs.lcls.items()) and ours.glbls == theirs.glbls
 
 
+def test_invokes_holding_the_same_objects_pickle_their_state_once(monkeypatch):
+    """A loop of invokes that reads the same objects: nnsight's pickler runs on the state once, and every
+    request still carries bytes that rebuild a worker of its own."""
+    from nnsight.intervention import serialization
+    from nnsight.intervention.interleaver import Mediator
+    from nnsight.intervention.serialization import dumps, loads
+
+    from nnsight_ray._internal.shared_blocks import shared_reductions
+
+    scale = 2.5
+    mediators = workers(4) + workers(2)
+    for m in mediators[:4]:
+        m.lcls["scale"] = scale  # the same object: one state
+    calls = []
+    real = serialization.dumps
+    monkeypatch.setattr(serialization, "dumps", lambda obj, *a, **k: calls.append(type(obj).__name__) or real(obj, *a, **k))
+    with shared_reductions(mediators):
+        blobs = [dumps(m) for m in mediators]
+    assert calls.count("dict") == 3  # the four sharing scale once; the two others (scale 0 and 1) once each
+    assert len(set(blobs[:4])) == 1 and len(set(blobs)) == 3
+    rebuilt = [loads(b) for b in blobs[:4]]
+    assert all(type(m) is Mediator and m.lcls["scale"] == scale for m in rebuilt)
+    assert len({id(m) for m in rebuilt}) == 4 and len({id(m.lcls) for m in rebuilt}) == 4
+    assert all("_nnsight_ray_blobs" not in m.__dict__ for m in mediators)
+
+
+def test_a_shared_state_resolves_envoy_references_with_the_ranks_persistent_objects():
+    """An envoy travels as a reference inside the shared bytes: the rank's ``Requests.add`` (``NamedRequests``)
+    hands the unpickling its persistent objects."""
+    from nnsight.intervention.serialization import dumps, loads
+
+    from nnsight_ray._internal.block_names import _unpickling_with
+    from nnsight_ray._internal.shared_blocks import shared_reductions
+
+    class Envoy:
+        pass
+
+    caller_side, rank_side = Envoy(), object()
+    caller_side._persistent_id = "Envoy:model.layers.3"
+    mediators, scale = workers(2), 1.5
+    for m in mediators:
+        m.glbls["model"], m.lcls["scale"] = caller_side, scale
+    with shared_reductions(mediators):
+        blobs = [dumps(m) for m in mediators]
+    assert blobs[0] == blobs[1]
+    with _unpickling_with({"Envoy:model.layers.3": rank_side}):
+        rebuilt = loads(blobs[0])
+    assert rebuilt.glbls["model"] is rank_side
+
+
 def test_classes_are_restored_even_when_the_attach_fails():
     from nnsight.intervention.interleaver import Mediator
 
