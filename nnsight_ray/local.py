@@ -186,7 +186,6 @@ class LocalVLLM(VLLM):
 
         from ._internal import envoy_refs
         from ._internal.shared_blocks import shared_reductions
-
         from ._internal.timeline import ATTACHED, CALLER
 
         began = time.monotonic()

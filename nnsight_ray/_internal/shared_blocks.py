@@ -95,10 +95,11 @@ def _state_key(node: Any, state: dict) -> tuple:
 
     By identity, not value: every value is alive (held by its invoke's scope) for the
     whole attach, so no two of them share an id, and no user code runs between two
-    invokes' pickling, so an object pickles the same for both.
+    invokes' pickling, so an object pickles the same for both (``presaved`` follows from
+    the same identities).
     """
     _, used_globals, used_locals = state["reduced"]
-    return (id(node), state["copy"], frozenset(state["presaved"]),
+    return (id(node), state["copy"],
             tuple((name, id(value)) for name, value in used_globals.items()),
             tuple((name, id(value)) for name, value in used_locals.items()))
 

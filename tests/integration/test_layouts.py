@@ -405,7 +405,7 @@ def tensor_parallel_value(path: str, whole: torch.Tensor, tp: int = 2) -> torch.
     piece, as for a plain ``.save()`` (nnsight reports one TP rank's values, its reads being gathered). The
     tiny Llama has as many KV heads as heads, so q, k and v are equal thirds.
     """
-    parts = {".qkv_proj": 3, ".gate_up_proj": 2}.get(next((s for s in (".qkv_proj", ".gate_up_proj") if path.endswith(s)), ""))
+    parts = 3 if path.endswith(".qkv_proj") else 2 if path.endswith(".gate_up_proj") else 0
     if parts:
         pieces = [part.chunk(tp, dim=-1) for part in whole.chunk(parts, dim=-1)]
         return torch.cat([piece[rank] for rank in range(tp) for piece in pieces], dim=-1)
