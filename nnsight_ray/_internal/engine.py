@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from ..errors import EngineDeadError, RequestError
-from . import metrics
+from . import metrics, render
+from .render import render_batch, render_batches
 from .timeline import ADDED, COLLECT, ENDED, RENDER, SUBMIT, Timeline, watch_gc
 
 logger = logging.getLogger(__name__)
@@ -127,94 +128,10 @@ def engine_args(spec: Any) -> tuple[dict[str, Any], list[str]]:
 # How long a dead engine's loop serves its waiters before vLLM's (blocking) shutdown.
 SHUTDOWN_AFTER_DEATH_S = 0.5
 
-# Characters of prompt text per render batch (``EngineCore._start_rendered``); 0: about one engine step's worth.
-RENDER_BATCH_CHARS = int(os.environ.get("NNSIGHT_RAY_RENDER_BATCH_CHARS", "0"))
-
-
-# A call longer than one step starts with a batch of 1/RENDER_RAMP of a step, each next one twice as large.
-RENDER_RAMP = 8
-
-
-def _chars(prompt: Any) -> int:
-    """A prompt's size in characters: its text, or 4 a token for token ids, or its ``str``."""
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
-        return 4 * len(prompt["prompt_token_ids"])
-    return len(str(prompt))
-
-
-def render_batches(prompts: list, chars: int) -> list[range]:
-    """Consecutive runs of ``prompts`` (each at least one prompt): the batches a call renders in.
-
-    A call of at most ``chars`` characters (about one engine step) is one batch,
-    so its requests start in the same step. A longer call ramps up: its first
-    batch is about ``chars / RENDER_RAMP``, each next one twice the last, up
-    to ``chars``, so the GPU starts on the first prompts while the rest are
-    tokenized (on the H200 a first batch of a whole step kept it idle ~80 ms;
-    docs/performance.md, "Session 16").
-    """
-    sizes = [_chars(prompt) for prompt in prompts]
-    limit = chars if sum(sizes) <= chars else max(chars // RENDER_RAMP, 1)
-    batches, start, size = [], 0, 0
-    for index, grown in enumerate(sizes):
-        size += grown
-        if size >= limit:
-            batches.append(range(start, index + 1))
-            start, size, limit = index + 1, 0, min(2 * limit, chars)
-    if start < len(prompts):
-        batches.append(range(start, len(prompts)))
-    return batches
-
-
-def render_batch(renderer: Any, parsed: list) -> list:
-    """vLLM's ``renderer.render_cmpl(parsed)`` with its defaults, its plain text prompts tokenized in one call.
-
-    ``render_cmpl`` tokenizes one prompt per tokenizer call; a fast tokenizer's
-    call is a trip into Rust and its thread pool, and on the H200 host that was
-    38% of the engine actor's samples in a 2,048-prompt prefill (performance.md,
-    "Session 16"). Here every prompt that is text alone (no multimodal data, no
-    other keys, no token offsets wanted) goes through the renderer's own steps
-    for text: ``apply_pre_tokenization`` (length check, lower-casing), the same
-    tokenizer with the same ``get_encode_kwargs``, given the whole list at once,
-    and ``_build_tokens_prompt``; ``render_cmpl`` then finds token ids and
-    applies the rest as it always does (``apply_post_tokenization``: token
-    truncation and checks; the engine input). Anything else is left to it, and
-    so is the whole batch if the one call fails (a too-long prompt then fails
-    ``render_cmpl`` as it would alone, and the batch renders request by request,
-    ``EngineCore._start_rendered``, as any refused prompt does).
-    """
-    params = renderer.default_cmpl_tok_params
-    try:
-        tokenized = _tokenized_together(renderer, parsed, params)
-    except Exception:  # noqa: BLE001 - vLLM's own path below says what is wrong, prompt by prompt
-        logger.debug("tokenizing %d prompts in one call failed; vLLM's renderer tokenizes them", len(parsed),
-                     exc_info=True)
-        tokenized = parsed
-    return renderer.render_cmpl(tokenized, params)
-
-
-def _tokenized_together(renderer: Any, parsed: list, params: Any) -> list:
-    """``parsed`` with its plain text prompts as token prompts, tokenized in one call (``render_batch``).
-
-    Only a Hugging Face tokenizer (what ``render_cmpl`` calls with one string)
-    is given the list; any other kind of tokenizer leaves ``parsed`` as it is.
-    """
-    from transformers import PreTrainedTokenizerBase
-
-    texts = [i for i, p in enumerate(parsed) if isinstance(p, dict) and set(p) == {"prompt"}
-             and isinstance(p["prompt"], str)]
-    if not texts or getattr(params, "return_token_offsets", False) or not hasattr(renderer, "get_tokenizer"):
-        return parsed
-    tokenizer = renderer.get_tokenizer()
-    if not isinstance(tokenizer, PreTrainedTokenizerBase):
-        return parsed
-    ready = [params.apply_pre_tokenization(renderer.tokenizer, dict(parsed[i])) for i in texts]
-    ids = tokenizer([p["prompt"] for p in ready], **params.get_encode_kwargs())["input_ids"]
-    tokenized = list(parsed)
-    for i, prompt, token_ids in zip(texts, ready, ids):
-        tokenized[i] = renderer._build_tokens_prompt(token_ids, prompt)
-    return tokenized
+# "1" (the default): an idle engine's scheduler is held (vLLM's ``pause_scheduler``, mode "keep") while a
+# call's first render batch is added, so its requests start in one step (``EngineCore._hold``); "0": not held
+# (``scripts/bench_gpu.py --engines ray,ray%nohold --env nohold=NNSIGHT_RAY_HOLD_ADDS=0`` compares them).
+HOLD_ADDS = os.environ.get("NNSIGHT_RAY_HOLD_ADDS", "1") == "1"
 
 
 @dataclass
@@ -290,6 +207,7 @@ class EngineCore:
         request, so only its bad prompt fails.
         """
         started = 0
+        held = await self._hold(reports)
         try:
             for batch in render_batches(prompts, self.render_batch_chars):
                 began = time.monotonic()
@@ -299,16 +217,59 @@ class EngineCore:
                     prompt = rendered[position] if rendered is not None else prompts[index]
                     self._start(reports[index], prompt, final_only(params[index]), loras[index] if loras else None)
                     started += 1
+                if held:
+                    held = await self._release([reports[index] for index in batch])
         finally:
+            if held:
+                await self._release([])
             for report in reports[started:]:  # cancelled (the engine died) before they started
                 self.finish(report, None, self.dead or RuntimeError(
                     f"request {report.request_id} was closed before it started"))
 
+    async def _hold(self, reports: list[Report]) -> bool:
+        """Pause an idle engine's scheduler for a call's first adds (``HOLD_ADDS``); True if paused.
+
+        vLLM's engine core steps as soon as its first request arrives; a call's
+        adds reach it one by one over ~30 ms (256 requests on the H200), so its
+        prompts otherwise start over several part-full steps and the last ones
+        finish several steps after the first. Held (mode "keep": nothing steps,
+        adds queue), the first render batch's requests start in one step. Only
+        an idle engine is held (nothing else of this engine's in flight): a busy
+        one keeps stepping, and vLLM's pause would wait for it to drain.
+        """
+        if not HOLD_ADDS or len(self._unreported) != len(reports) or self.dead is not None:
+            return False
+        try:
+            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+            return True
+        except Exception:  # noqa: BLE001 - the adds go on unheld
+            logger.debug("could not hold the scheduler for a call's adds", exc_info=True)
+            return False
+
+    async def _release(self, reports: list[Report]) -> bool:
+        """Resume the scheduler ``_hold`` paused, once ``reports``' adds have gone to the engine core.
+
+        Each add is sent from its own task (``_run``); the core takes its input in
+        order, so a resume sent after the adds finds them queued. An add not yet
+        sent after a few loop turns only starts a step later. Returns False (not held).
+        """
+        added = getattr(self.llm.output_processor, "external_req_ids", {})  # vLLM's ids by the caller's
+        for _ in range(16):
+            if all(report.request_id in added for report in reports):
+                break
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        try:
+            await self.llm.engine_core.resume_scheduler_async()
+        except Exception:  # noqa: BLE001 - a dead engine fails its requests on its own
+            logger.warning("could not resume the scheduler after a call's adds", exc_info=True)
+        return False
+
     @property
     def render_batch_chars(self) -> int:
         """Text per render batch: about one step of the engine (4 characters a token, a typical BPE rate)."""
-        if RENDER_BATCH_CHARS > 0:
-            return RENDER_BATCH_CHARS
+        if render.RENDER_BATCH_CHARS > 0:
+            return render.RENDER_BATCH_CHARS
         scheduler = getattr(getattr(self.llm, "vllm_config", None), "scheduler_config", None)
         tokens = getattr(scheduler, "max_num_batched_tokens", None)
         return 4 * tokens if isinstance(tokens, int) and tokens > 0 else 65536

@@ -193,7 +193,8 @@ class GraphStepsRunnerMixin:
         finally:
             graph["in_step"] = False
             tokens = getattr(args[0] if args else kwargs.get("scheduler_output"), "total_num_scheduled_tokens", 0)
-            self.nnsight_ray_step_modes.timeline.mark(STEP, tokens or 0, began)
+            if tokens:  # a paused scheduler's empty steps are no steps
+                self.nnsight_ray_step_modes.timeline.mark(STEP, tokens, began)
             if graph["graphs"]:
                 interleaver = self.nnsight_model.interleaver  # type: ignore[attr-defined]
                 self.cudagraph_dispatcher.nnsight_ray_no_full = False  # type: ignore[attr-defined]

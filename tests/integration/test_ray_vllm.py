@@ -86,6 +86,23 @@ def test_nnsight_keywords_are_taken_and_prefix_caching_is_off_by_default(ray_tp1
         edit.clear()
 
 
+def test_a_call_on_an_idle_engine_starts_in_one_step_and_the_scheduler_goes_on(ray_tp1):
+    """An idle engine holds vLLM's scheduler while a call's requests are added (``EngineCore._hold``):
+    the call's first step prefills every prompt (unheld, the core stepped on the first arrivals:
+    ``scripts/bench_gpu.py --cpu`` showed a first step of 30 tokens of 2,550), and the scheduler runs
+    again after (a second call finishes)."""
+    from nnsight_ray._internal.timeline import STEP
+
+    prompts = [f"prompt {i}: the quick brown fox jumps" for i in range(24)]
+    since = time.monotonic()
+    outputs = ray_tp1.generate(prompts, max_tokens=2, temperature=0.0)
+    steps = sorted(e for e in ray_tp1.timeline(since)["ranks"][0] if e[1] == STEP)
+    assert steps[0][2] == sum(len(o.prompt_token_ids) for o in outputs)
+    assert len(steps) == 2  # prefill (first token), one decode
+    (again,) = ray_tp1.generate(["Hello"], max_tokens=1, temperature=0.0)
+    assert len(again.outputs[0].token_ids) == 1
+
+
 def test_the_engine_actor_freezes_its_startup_heap(ray_tp1):
     """The engine actor freezes its startup heap once the engine is up, as vLLM's API server does:
     a full collection then skips torch's, vLLM's and Ray's objects (one paused a large submit 0.5 s)."""

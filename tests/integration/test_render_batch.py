@@ -1,6 +1,6 @@
 """A call's prompts tokenized in one tokenizer call render exactly as vLLM's renderer renders them alone.
 
-``engine.render_batch`` hands vLLM's real renderer (built from the engine's
+``render.render_batch`` hands vLLM's real renderer (built from the engine's
 config, as ``AsyncLLM`` builds it) token prompts it tokenized in one batch;
 what comes out must equal ``render_cmpl`` on the raw prompts, for the project's
 character tokenizer and a byte-level BPE (GPT-2's ids), with and without
@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from nnsight_ray._internal.engine import render_batch
+from nnsight_ray._internal.render import render_batch
 from nnsight_ray.models import _build_gpt2_tokenizer
 
 PROMPTS = ["Hello world", "", "héllo wörld — 東京", "the quick brown fox " * 10, "<|endoftext|> and <s> as text",

@@ -593,7 +593,7 @@ def test_one_calls_prompts_render_together_then_start_together():
 
 def test_a_long_call_renders_in_batches_of_about_a_step_each_added_before_the_next_renders(monkeypatch):
     """2,048 long prompts: the core steps on the first batch while the next is tokenized."""
-    from nnsight_ray._internal import engine
+    from nnsight_ray._internal import render as engine
 
     assert engine.render_batches(["a" * 5] * 5, 25) == [range(0, 5)]  # one step's worth: one batch
     assert engine.render_batches([{"prompt_token_ids": [1] * 5}, "x" * 5], 25) == [range(0, 2)]  # 20 + 5 chars
@@ -619,6 +619,54 @@ def test_a_long_call_renders_in_batches_of_about_a_step_each_added_before_the_ne
     added = {e[1]: e[2]["prompt"] for e in h.llm.events if e[0] == "add"}
     assert added == {f"g-{i}": f"ok{i + 1}" for i in range(5)}
     assert all(r.error is None and r.output.finished for r in h.by_id().values())
+
+
+class HoldingLLM(RenderingLLM):
+    """``RenderingLLM`` with vLLM's scheduler pause (``engine_core``) and its record of added requests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        llm = self
+        self.output_processor = SimpleNamespace(external_req_ids={})
+
+        class Core:
+            async def pause_scheduler_async(self, mode, clear_cache):
+                llm.events.append(("pause", mode, clear_cache))
+
+            async def resume_scheduler_async(self):
+                llm.events.append(("resume",))
+
+        self.engine_core = Core()
+
+    async def generate(self, prompt, param, request_id, lora_request=None):
+        self.output_processor.external_req_ids[request_id] = [f"{request_id}-internal"]
+        async for output in super().generate(prompt, param, request_id, lora_request):
+            yield output
+
+
+def test_an_idle_engine_holds_its_scheduler_until_a_calls_adds_are_sent():
+    """On an idle engine a call's requests are added with vLLM's scheduler paused ("keep": nothing steps)
+    and resumed after the last add, so they start in one step; a busy engine is never paused."""
+    from nnsight_ray._internal import engine
+
+    assert engine.HOLD_ADDS  # the default
+
+    async def scenario():
+        h = _rendering_harness(HoldingLLM())
+        h.core.submit("g", ["ok", "okay", "ok!"], [None] * 3)
+        await _reported(h, 3)
+        idle = [e for e in h.llm.events if e[0] in ("pause", "add", "resume")]
+        h.llm.events.clear()
+        h.core.submit("busy", ["hang"], [None])  # one request in flight
+        h.core.submit("g2", ["ok", "ok"], [None] * 2)
+        await _reported(h, 5)
+        busy = [e[0] for e in h.llm.events if e[0] in ("pause", "add", "resume")]
+        return h, idle, busy
+
+    h, idle, busy = asyncio.run(scenario())
+    assert [e[0] for e in idle] == ["pause", "add", "add", "add", "resume"]
+    assert idle[0] == ("pause", "keep", False)  # nothing steps; the KV cache stays
+    assert busy == ["add", "add", "add"]
 
 
 def test_a_batch_that_does_not_render_goes_request_by_request():
