@@ -680,6 +680,8 @@ def start_waiters(model, streamer) -> dict:
     import asyncio
     import threading
 
+    from nnsight_ray._internal.timeline import ADDED
+
     outcomes: dict = {}
 
     def run(kind, call):
@@ -701,6 +703,7 @@ def start_waiters(model, streamer) -> dict:
             streamer.model.layers[0].output[0].save()
         return [output async for output in tracer.backend]
 
+    since = time.monotonic()
     with model.trace("abc", blocking=False, **LONG) as tracer:
         model.model.layers[0].output[0].save()
     threads = [threading.Thread(target=run, args=args, daemon=True) for args in [
@@ -711,7 +714,12 @@ def start_waiters(model, streamer) -> dict:
     ]]
     for thread in threads:
         thread.start()
-    time.sleep(2.0)  # every request is generating
+    # Every request in the engine (1 + 2 + 2 + 1 adds), then the kill: a fixed 2 s wait let the first
+    # one finish before the kill on a fast day (CI at 4a60421: "non-blocking ref returned {}").
+    until = time.monotonic() + 30
+    while time.monotonic() < until and sum(e[1] == ADDED for e in model.timeline(since)["engine"]) < 6:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the last adds reach vLLM's engine core
     return {"outcomes": outcomes, "threads": threads, "ref": tracer.ref}
 
 
