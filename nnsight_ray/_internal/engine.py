@@ -220,11 +220,11 @@ class EngineCore:
                 if held:
                     held = await self._release([reports[index] for index in batch])
         finally:
-            if held:
-                await self._release([])
             for report in reports[started:]:  # cancelled (the engine died) before they started
                 self.finish(report, None, self.dead or RuntimeError(
                     f"request {report.request_id} was closed before it started"))
+            if held:  # last: cancelled again while it resumes, nothing above is skipped
+                await self._release([])
 
     async def _hold(self, reports: list[Report]) -> bool:
         """Pause an idle engine's scheduler for a call's first adds (``HOLD_ADDS``); True if paused.
