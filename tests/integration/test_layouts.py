@@ -715,7 +715,7 @@ def start_waiters(model, streamer) -> dict:
     for thread in threads:
         thread.start()
     # Every request in the engine (1 + 2 + 2 + 1 adds), then the kill: a fixed 2 s wait let the first
-    # one finish before the kill on a fast day (CI at 4a60421: "non-blocking ref returned {}").
+    # one finish before the kill on a fast day (CI at 19e7b2d: "non-blocking ref returned {}").
     until = time.monotonic() + 30
     while time.monotonic() < until and sum(e[1] == ADDED for e in model.timeline(since)["engine"]) < 6:
         time.sleep(0.05)
