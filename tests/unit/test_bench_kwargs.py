@@ -63,3 +63,15 @@ def test_a_skip_pair_names_one_engine_row(bench_gpu):
     assert bench_gpu.child_skip(skip, "ray", "ray") == "ray:extract"
     assert bench_gpu.child_skip(skip, "ray-taps@old", "ray-taps") == "ray-taps:trace"
     assert bench_gpu.child_skip("", "ray", "ray") == ""
+
+
+def test_the_prewarm_child_imports_only_installed_modules(bench_gpu):
+    """``--prewarm`` (the default) runs ``PREWARM`` in an untimed child before the first engine: valid code
+    that imports the stack this environment has (a name that is not installed would fail every bench)."""
+    import ast
+    import importlib.util
+
+    tree = ast.parse(bench_gpu.PREWARM)
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert names == {"torch", "vllm", "nnsight", "ray", "nnsight_ray"}
+    assert all(importlib.util.find_spec(name) is not None for name in names)
