@@ -84,7 +84,7 @@ def session_engines(request, model_dir):
     """The session's RayVLLM deployments, started together (their starts overlap: ~1.3x one, not 2x).
 
     ``tp1``: one rank (built with ``enforce_eager=True``); ``tp2``: TP=2 with the two ranks on two different
-    raylets (STRICT_SPREAD), built with ``taps``.
+    raylets (STRICT_SPREAD), built with ``taps`` and ``early_ranks``.
     """
     from nnsight_ray import RayVLLM
 
@@ -94,7 +94,10 @@ def session_engines(request, model_dir):
         "tp1": {"enforce_eager": True},
         # taps (issue 23): a graph engine; on the CPU build every step runs eagerly and serves every location,
         # so every test on tp2 (layouts, batch, remote) also checks that untapped locations are served.
-        "tp2": {"tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD", "taps": ["model.layers.*.output"]},
+        # early_ranks (session 24): the two rank actors start with the engine actor and vLLM's executor adopts them,
+        # so every test on tp2 also runs on adopted ranks (tp1 and the other layouts' ranks are the executor's own).
+        "tp2": {"tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD", "taps": ["model.layers.*.output"],
+                "early_ranks": True},
     }, **ENGINE_KWARGS)
     yield models
     for model in models.values():

@@ -271,6 +271,7 @@ class EngineActor:
         self.merges: list[Any] = []
         self.started = time.monotonic()
         self.resolved: dict[str, str] = {}
+        self.early_ranks: list[Any] = []  # rank actors this actor created (RankPlacement.early_ranks)
         self.start_line = ""
 
     async def start(self) -> list[dict[str, Any]]:
@@ -284,6 +285,7 @@ class EngineActor:
 
         from . import parity
         from .engine import EngineCore, engine_args
+        from .ray_executor import early_ranks, start_ranks_early
 
         VLLM._require_v1_model_runner()
         spec = self.spec
@@ -294,8 +296,18 @@ class EngineActor:
         os.environ.update(graphs.engine_env(kwargs))
         # The rank placement group is deploy's (launch reserved it): if this
         # fails, wait_started releases it, and nothing here does.
-        llm = AsyncLLM.from_engine_args(parity.build_engine_args(kwargs, probed),
-                                        usage_context=UsageContext(parity.usage_context(spec.usage_context)))
+        args = parity.build_engine_args(kwargs, probed)
+        usage = UsageContext(parity.usage_context(spec.usage_context))
+        vllm_config = args.create_engine_config(usage)
+        # early_ranks: the ranks' processes import vLLM while the engine core's does.
+        early = self.early_ranks = start_ranks_early(vllm_config) if early_ranks(vllm_config) else []
+        try:
+            llm = AsyncLLM.from_vllm_config(vllm_config, usage_context=usage, enable_log_requests=args.enable_log_requests,
+                                            disable_log_stats=args.disable_log_stats)
+        except BaseException:
+            for actor in early:  # adopted or not, nothing of them outlives a failed start
+                ray.kill(actor)
+            raise
         self.start_line = parity.log_start(spec.name, spec.usage_context, changed, llm.vllm_config, probed)
         self.resolved = parity.config_summary(llm.vllm_config)
         vllm_up = time.monotonic()
@@ -337,6 +349,10 @@ class EngineActor:
         metrics.inc("nnsight_engine_deaths", deployment=self.spec.name)
         for merge in self.merges:
             merge.fail.remote(str(error))
+        # Ranks this actor started (early_ranks) are its own, not the engine core's: they would outlive a
+        # dead core (and hold their device) until the deployment shuts down. vLLM's are killed with its core.
+        for rank in self.early_ranks:
+            ray.kill(rank)
 
     async def _describe_dead(self) -> str:
         # Raises until start() built the watch; EngineCore then says it could not tell what died.

@@ -32,6 +32,9 @@ NAMESPACE = "nnsight_ray"
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
+EARLY_RANKS_ENV = "NNSIGHT_RAY_EARLY_RANKS"
+
+
 class RankPlacement(BaseModel):
     """Where and how each tensor/pipeline-parallel rank actor runs (what the user asks for)."""
 
@@ -63,6 +66,13 @@ class RankPlacement(BaseModel):
         "auto",
         description="CPU platform: 'auto' splits each host's cores among its ranks, 'nobind' leaves threads alone, "
         "or an explicit per-rank list like '0|1' (vLLM's VLLM_CPU_OMP_THREADS_BIND syntax).",
+    )
+
+    early_ranks: bool = Field(
+        default_factory=lambda: os.environ.get(EARLY_RANKS_ENV, "0").strip().lower() in ("1", "true", "yes", "on"),
+        description="Start the rank actors' processes before vLLM's engine core (each imports torch and vLLM "
+        "while the core's process does) and have the executor adopt them; off by default (or "
+        "NNSIGHT_RAY_EARLY_RANKS=1) until measured on a GPU host (docs/performance.md, 'Session 24').",
     )
 
     @classmethod

@@ -26,7 +26,10 @@ strategy placed; and its actor class and actor names are fixed inside
      ``VLLM_RAY_BUNDLE_INDICES[r]`` when that is set (as in vLLM).
   4. *Ranks.* ``NNsightRankProc`` (CPU-capable, with ``take_payloads`` for the
      merge actors on a second thread: ``max_concurrency``), named
-     ``<engine>.pp<p>.tp<t>`` in the ``nnsight_ray`` namespace.
+     ``<engine>.pp<p>.tp<t>`` in the ``nnsight_ray`` namespace. With
+     ``RankPlacement.early_ranks`` the engine actor has already created them,
+     bare (``start_ranks_early``), with the options this step computes
+     (``rank_actor_options``); this step adopts each one that was created so.
   5. *Threads (CPU).* vLLM binds a CPU rank's OpenMP threads through
      environment variables set before its process starts; a Ray actor's
      process already exists, so each rank pins its own affinity. Ranks are
@@ -72,7 +75,30 @@ logger = logging.getLogger(__name__)
 
 
 class NNsightRankProc(RayWorkerProc):
-    """vLLM's Ray worker process, able to run on CPU-only nodes."""
+    """vLLM's Ray worker process, able to run on CPU-only nodes.
+
+    Created with vLLM's arguments by the executor, or bare (no arguments) by
+    the engine actor before vLLM's engine core exists (``start_ranks_early``),
+    and then given them by the executor (``adopt``): vLLM's own ``__init__``
+    only stores them, so a bare rank's process imports torch and vLLM while
+    the engine core's process does the same.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if args or kwargs:
+            super().__init__(*args, **kwargs)
+
+    def adopt(self, expected: dict[str, Any], **init_kwargs: Any) -> bool:
+        """Take vLLM's constructor arguments if this actor was created as the executor would create it.
+
+        ``expected`` is what the executor would have given it (``actor_check``);
+        on any difference nothing is taken and False is returned (the executor
+        then kills this actor and creates the rank itself).
+        """
+        if actor_check(ray.get_runtime_context()) != expected:
+            return False
+        RayWorkerProc.__init__(self, **init_kwargs)
+        return True
 
     def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
         if not current_platform.ray_device_key:
@@ -229,6 +255,118 @@ def tensor_transport_options(vllm_config: Any) -> dict[str, Any]:
     return {"enable_tensor_transport": True}
 
 
+def rank_runtime_env(vllm_config: Any) -> dict:
+    """The rank actors' runtime env: vLLM's (``RayExecutorV2._build_runtime_env``: the engine's
+    ``ray_runtime_env``, the platform's no-set-device variables, ...) plus a CPU rank's OpenMP thread
+    count (fixed at process start). One function for the executor and ``start_ranks_early``."""
+    from types import SimpleNamespace
+
+    runtime_env = RayExecutorV2._build_runtime_env(SimpleNamespace(parallel_config=vllm_config.parallel_config))
+    placement = plan_of(vllm_config).placement
+    if placement.device == "cpu":
+        runtime_env.setdefault("env_vars", {})["OMP_NUM_THREADS"] = str(max(1, int(placement.cpus_per_rank)))
+    return runtime_env
+
+
+def plan_of(vllm_config: Any) -> PlacementPlan:
+    plan = PlacementPlan.from_engine_kwargs({"additional_config": vllm_config.additional_config})
+    if plan is None:
+        raise RuntimeError("NNsightRayExecutor runs only through nnsight_ray (LocalVLLM with "
+                           "distributed_executor_backend='ray', or RayVLLM), which plans its placement")
+    return plan
+
+
+def rank_actor_options(vllm_config: Any, pg: Any, bundle: int, rank_id: RankId, runtime_env: dict,
+                       resources: dict[str, Any]) -> dict[str, Any]:
+    """``.options()`` of one rank actor (vLLM's step 4): its name, its bundle, its device ``resources``
+    (``actor_resources``) and ``runtime_env`` (``rank_runtime_env``), as vLLM's hooks return them."""
+    return dict(
+        name=rank_id.actor_name,
+        namespace=NAMESPACE,
+        num_cpus=0,
+        **resources,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle),
+        runtime_env=runtime_env,
+        # One thread for vLLM's busy loop (`run`), others for the
+        # merge actors' `take_payloads` (one per merge shard at a time).
+        max_concurrency=8,
+        **tensor_transport_options(vllm_config),
+    )
+
+
+def actor_check(context: Any) -> dict[str, Any]:
+    """What a rank actor can tell of how it was created (its runtime env's variables, its placement group,
+    the resources it holds), to compare with what the executor would give it (``expected_check``)."""
+    env = (context.runtime_env or {}).get("env_vars") or {}
+    resources: dict[str, float] = {}
+    for key, amount in context.get_assigned_resources().items():
+        if key.startswith("bundle"):
+            continue
+        base = key.split("_group_")[0]  # a placement group's "GPU_group_<i>_<id>" is the rank's "GPU"
+        resources[base] = max(resources.get(base, 0), amount)
+    return {"env_vars": dict(env), "placement_group": context.get_placement_group_id(), "resources": resources}
+
+
+def expected_check(options: dict[str, Any]) -> dict[str, Any]:
+    """``actor_check`` of an actor created with ``options``, as far as ``options`` decide it."""
+    strategy = options["scheduling_strategy"]
+    resources = dict(options.get("resources") or {})
+    if options.get("num_gpus"):
+        resources["GPU"] = options["num_gpus"]
+    return {"env_vars": dict((options.get("runtime_env") or {}).get("env_vars") or {}),
+            "placement_group": strategy.placement_group.id.hex(), "resources": resources}
+
+
+def engine_ranks(vllm_config: Any) -> tuple[Any, list[tuple[RankId, int, str]]]:
+    """The ranks' placement group, and each rank's ``(RankId, bundle index, node id)`` (vLLM's steps 1-2)."""
+    plan = plan_of(vllm_config)
+    placement = plan.placement
+    parallel = vllm_config.parallel_config
+    tp_size, size = parallel.tensor_parallel_size, parallel.world_size
+    engine = placement.engine_name or f"engine-{vllm_config.instance_id}"
+    pg = existing_placement_group(plan.placement_group_id, size, placement.placement_timeout_s)
+    bundles = rank_bundles(size, envs.VLLM_RAY_BUNDLE_INDICES, placement_group_table(pg)["bundles_to_node_id"])
+    return pg, [(RankId(engine=engine, pp=rank // tp_size, tp=rank % tp_size), bundle, node)
+                for rank, (bundle, node) in enumerate(bundles)]
+
+
+def early_ranks(vllm_config: Any) -> bool:
+    """Whether ``vllm_config``'s engine runs its ranks here and asked for them early (``RankPlacement.early_ranks``)."""
+    if vllm_config.parallel_config.distributed_executor_backend is not NNsightRayExecutor:
+        return False
+    return plan_of(vllm_config).placement.early_ranks
+
+
+def start_ranks_early(vllm_config: Any) -> list[Any]:
+    """Create the engine's rank actors bare, before vLLM's engine core starts (``RankPlacement.early_ranks``).
+
+    Each imports torch and vLLM while the engine core's process does; the
+    executor adopts them by name (``NNsightRankProc.adopt``) if they are what
+    it would have created, else replaces them. The caller kills the returned
+    handles if the engine fails to start (killing an adopted one is what
+    vLLM's shutdown does anyway).
+    """
+    pg, ranks = engine_ranks(vllm_config)
+    runtime_env, resources = rank_runtime_env(vllm_config), actor_resources(plan_of(vllm_config).placement)
+    return [ray.remote(NNsightRankProc).options(
+                **rank_actor_options(vllm_config, pg, bundle, rank_id, runtime_env, resources)).remote()
+            for rank_id, bundle, _ in ranks]
+
+
+def _adopted(actor: Any, expected: dict[str, Any], init_kwargs: dict[str, Any]) -> bool:
+    try:
+        return ray.get(actor.adopt.remote(expected, **init_kwargs))
+    except ray.exceptions.RayError:  # it died meanwhile: the executor creates the rank itself
+        return False
+
+
+def _early_rank(name: str) -> Any:
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
 class NNsightRayExecutor(RayExecutorV2):
     """vLLM's Ray executor with placement, naming and CPU support of our own (module docstring)."""
 
@@ -236,19 +374,11 @@ class NNsightRayExecutor(RayExecutorV2):
     supports_pp: bool = True
 
     def _plan(self) -> PlacementPlan:
-        plan = PlacementPlan.from_engine_kwargs({"additional_config": self.vllm_config.additional_config})
-        if plan is None:
-            raise RuntimeError("NNsightRayExecutor runs only through nnsight_ray (LocalVLLM with "
-                               "distributed_executor_backend='ray', or RayVLLM), which plans its placement")
-        return plan
+        return plan_of(self.vllm_config)
 
     def _build_runtime_env(self) -> dict:
-        """vLLM's rank runtime env, plus a CPU rank's OpenMP thread count (fixed at process start)."""
-        runtime_env = super()._build_runtime_env()
-        placement = self._plan().placement
-        if placement.device == "cpu":
-            runtime_env.setdefault("env_vars", {})["OMP_NUM_THREADS"] = str(max(1, int(placement.cpus_per_rank)))
-        return runtime_env
+        """vLLM's rank runtime env, plus a CPU rank's OpenMP thread count (``rank_runtime_env``)."""
+        return rank_runtime_env(self.vllm_config)
 
     def _get_actor_resource_kwargs(self) -> dict[str, Any]:  # vLLM's is a staticmethod; called on self
         return actor_resources(self._plan().placement)
@@ -270,57 +400,40 @@ class NNsightRayExecutor(RayExecutorV2):
         if pcp_size != 1:
             raise NotImplementedError("nnsight_ray's Ray executor does not support prefill context parallelism")
         engine = placement.engine_name or f"engine-{self.vllm_config.instance_id}"
-        pg = existing_placement_group(plan.placement_group_id, self.world_size, placement.placement_timeout_s)
+        # Step 2: each rank's bundle (and name).
+        pg, ranks = engine_ranks(self.vllm_config)
         self._reservation = RankReservation.of(plan)  # released at shutdown, if the launch reserved it
         self.parallel_config.placement_group = pg
-
-        # Step 2: each rank's bundle.
-        bundles = rank_bundles(self.world_size, envs.VLLM_RAY_BUNDLE_INDICES,
-                               placement_group_table(pg)["bundles_to_node_id"])
         driver_node = ray.get_runtime_context().get_node_id()
 
         # Step 3: the broadcast queue (shared memory for ranks on the driver's node, TCP for the rest).
         self.rpc_broadcast_mq = MessageQueue(
             self.world_size,
-            sum(1 for _, node in bundles if node == driver_node),
+            sum(1 for _, _, node in ranks if node == driver_node),
             max_chunk_bytes=envs.VLLM_MQ_MAX_CHUNK_BYTES_MB * 1024 * 1024,
             connect_ip=ray.util.get_node_ip_address(),
         )
         handle = self.rpc_broadcast_mq.export_handle()
 
-        # Step 4: one rank actor per bundle (initialized in step 6, once its GPU ids are known).
+        # Step 4: one rank actor per bundle (initialized in step 6, once its GPU ids are known): the one the
+        # engine actor started early under the rank's name if it is what this step would create, else a new one.
         self.driver_env_vars = get_driver_env_vars(worker_specific_vars=WORKER_SPECIFIC_ENV_VARS)
         runtime_env = self._build_runtime_env()
         resources = self._get_actor_resource_kwargs()
-        extra_options = tensor_transport_options(self.vllm_config)
         self.ray_worker_handles = []
         self.rank_ids: list[RankId] = []
-        for rank, (bundle, node) in enumerate(bundles):
-            rank_id = RankId(engine=engine, pp=rank // tp_size, tp=rank % tp_size)
-            actor = (
-                ray.remote(NNsightRankProc)
-                .options(
-                    name=rank_id.actor_name,
-                    namespace=NAMESPACE,
-                    num_cpus=0,
-                    **resources,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=bundle
-                    ),
-                    runtime_env=runtime_env,
-                    # One thread for vLLM's busy loop (`run`), others for the
-                    # merge actors' `take_payloads` (one per merge shard at a time).
-                    max_concurrency=8,
-                    **extra_options,
-                )
-                .remote(
-                    vllm_config=self.vllm_config,
-                    rank=rank,
-                    input_shm_handle=handle,
-                    is_driver_worker=self._is_driver_worker(rank),
-                    is_driver_node=node == driver_node,
-                )
-            )
+        for rank, (rank_id, bundle, node) in enumerate(ranks):
+            options = rank_actor_options(self.vllm_config, pg, bundle, rank_id, runtime_env, resources)
+            init_kwargs = dict(vllm_config=self.vllm_config, rank=rank, input_shm_handle=handle,
+                               is_driver_worker=self._is_driver_worker(rank), is_driver_node=node == driver_node)
+            actor = _early_rank(rank_id.actor_name) if placement.early_ranks else None
+            if actor is not None and not _adopted(actor, expected_check(options), init_kwargs):
+                logger.warning("engine %s: the early rank actor %s is not what vLLM's executor creates (or is "
+                               "gone); replacing it", engine, rank_id.actor_name)
+                ray.kill(actor)
+                actor = None
+            if actor is None:
+                actor = ray.remote(NNsightRankProc).options(**options).remote(**init_kwargs)
             self.rank_ids.append(rank_id)
             self.ray_worker_handles.append(
                 RayWorkerHandle(actor=actor, rank=rank, local_rank=-1, node_id=node, bundle_id_idx=bundle)

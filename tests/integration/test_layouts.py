@@ -177,6 +177,19 @@ def test_topology_names_ranks_and_spreads_nodes(engine):
     assert set(nodes) <= alive
 
 
+def test_ranks_started_early_are_the_ones_vllm_runs(ray_tp2):
+    """``early_ranks=True`` (the session's TP=2 engine): the engine actor starts both rank actors before
+    vLLM's engine core, and the executor adopts them (``NNsightRankProc.adopt``); one it could not adopt
+    would be killed and replaced, leaving a dead actor of the same name. Every other test on ``tp2`` runs
+    on these ranks."""
+    import ray._private.state as ray_state
+
+    names = {t["actor_name"] for t in ray_tp2.topology()}
+    assert names == {"tp2.pp0.tp0", "tp2.pp0.tp1"}
+    states = [(a["Name"], a["State"]) for a in ray_state.actors().values() if a.get("Name") in names]
+    assert sorted(states) == [("tp2.pp0.tp0", "ALIVE"), ("tp2.pp0.tp1", "ALIVE")], states
+
+
 @ray_layouts
 def test_layout_matches_single_device(engine, reference):
     check_against(reference, engine[1])

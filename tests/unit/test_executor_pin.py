@@ -37,7 +37,8 @@ def test_the_vllm_executor_steps_we_follow_are_unchanged(method):
 
 
 def test_the_hooks_we_extend_are_still_vllms_seams():
-    """``_build_runtime_env`` is extended through ``super()``; vLLM's step 4 must still call both hooks."""
+    """``_build_runtime_env`` is extended (``rank_runtime_env``: vLLM's own, plus a CPU rank's threads); our step 4
+    must still call both hooks (an early rank is created with what they return, ``start_ranks_early``)."""
     from vllm.v1.executor.ray_executor_v2 import RayExecutorV2
 
     from nnsight_ray._internal.ray_executor import NNsightRayExecutor
@@ -45,3 +46,31 @@ def test_the_hooks_we_extend_are_still_vllms_seams():
     assert NNsightRayExecutor._build_runtime_env is not RayExecutorV2._build_runtime_env
     source = inspect.getsource(NNsightRayExecutor._init_executor)
     assert "self._build_runtime_env()" in source and "self._get_actor_resource_kwargs()" in source
+
+
+def test_an_early_rank_is_adopted_only_if_created_as_the_executor_would():
+    """``NNsightRankProc.adopt`` compares what the actor can see of its creation (``actor_check``) with what
+    the executor's options decide (``expected_check``): the runtime env's variables, the placement group,
+    the device (a placement group's ``GPU_group_<i>_<id>`` counts as ``GPU``)."""
+    from types import SimpleNamespace
+
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from nnsight_ray._internal.ray_executor import actor_check, expected_check
+
+    pg = SimpleNamespace(id=SimpleNamespace(hex=lambda: "ab12"))
+    options = {"num_gpus": 1, "runtime_env": {"env_vars": {"X": "1"}},
+               "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                       placement_group_bundle_index=0)}
+
+    def context(env, group, assigned):
+        return SimpleNamespace(runtime_env={"env_vars": env}, get_placement_group_id=lambda: group,
+                               get_assigned_resources=lambda: assigned)
+
+    as_created = context({"X": "1"}, "ab12", {"GPU_group_0_ab12": 1.0, "GPU_group_ab12": 1.0, "bundle_group_0_ab12": 0.001})
+    assert actor_check(as_created) == expected_check(options)
+    for other in (context({"X": "2"}, "ab12", {"GPU": 1.0}), context({"X": "1"}, "cd34", {"GPU": 1.0}),
+                  context({"X": "1"}, "ab12", {})):
+        assert actor_check(other) != expected_check(options)
+    cpu = {**options, "num_gpus": 0}
+    assert actor_check(context({"X": "1"}, "ab12", {})) == expected_check(cpu)
