@@ -218,7 +218,8 @@ class EngineCore:
                     self._start(reports[index], prompt, final_only(params[index]), loras[index] if loras else None)
                     started += 1
                 if held:
-                    held = await self._release([reports[index] for index in batch])
+                    await self._release([reports[index] for index in batch])
+                    held = False
         finally:
             for report in reports[started:]:  # cancelled (the engine died) before they started
                 self.finish(report, None, self.dead or RuntimeError(
@@ -246,12 +247,12 @@ class EngineCore:
             logger.debug("could not hold the scheduler for a call's adds", exc_info=True)
             return False
 
-    async def _release(self, reports: list[Report]) -> bool:
+    async def _release(self, reports: list[Report]) -> None:
         """Resume the scheduler ``_hold`` paused, once ``reports``' adds have gone to the engine core.
 
         Each add is sent from its own task (``_run``); the core takes its input in
         order, so a resume sent after the adds finds them queued. An add not yet
-        sent after a few loop turns only starts a step later. Returns False (not held).
+        sent after a few loop turns only starts a step later.
         """
         added = getattr(self.llm.output_processor, "external_req_ids", {})  # vLLM's ids by the caller's
         for _ in range(16):
@@ -263,7 +264,6 @@ class EngineCore:
             await self.llm.engine_core.resume_scheduler_async()
         except Exception:  # noqa: BLE001 - a dead engine fails its requests on its own
             logger.warning("could not resume the scheduler after a call's adds", exc_info=True)
-        return False
 
     @property
     def render_batch_chars(self) -> int:

@@ -19,6 +19,9 @@ import pytest
 PINNED = {
     "_init_executor": "2852d4ccf3e2e5e5cb9cd266decb8fa4bc712443c0dd79e4b72ef722c26c483c",
     "_get_actor_resource_kwargs": "551e23d0f8bc19562a252528e8e7e62723bd6247d26e506696d25af461c303c3",
+    # ``rank_runtime_env`` calls it on a stand-in holding only ``parallel_config`` (the engine actor has no
+    # executor when it starts ranks early): a version that reads more of ``self`` must be re-read.
+    "_build_runtime_env": "78138166258124f5590f95dba7c19075a12be3685a6a39d7906651daadc6335d",
 }
 
 
@@ -34,6 +37,16 @@ def test_the_vllm_executor_steps_we_follow_are_unchanged(method):
         f"({inspect.getsourcefile(RayExecutorV2)}). Re-read it against NNsightRayExecutor.{method} "
         f"in nnsight_ray/_internal/ray_executor.py, carry over what changed, then set its hash here to {digest}."
     )
+
+
+def test_a_rank_started_early_can_take_vllms_arguments_later():
+    """``NNsightRankProc.adopt`` runs ``RayWorkerProc.__init__`` after the actor exists: right only while vLLM's
+    ``__init__`` just stores its arguments (the work is in ``initialize_worker``). Pinned by source hash."""
+    from vllm.v1.executor.ray_executor_v2 import RayWorkerProc
+
+    digest = hashlib.sha256(inspect.getsource(RayWorkerProc.__init__).encode()).hexdigest()
+    assert digest == "48c188e05a6af2b690d5960bc5ff3d087d01668488da5c63cec5150fb96ec638", (
+        f"vLLM changed RayWorkerProc.__init__; re-read it against NNsightRankProc.adopt (early_ranks), then set {digest}")
 
 
 def test_the_hooks_we_extend_are_still_vllms_seams():
