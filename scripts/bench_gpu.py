@@ -35,7 +35,8 @@ steps whose blocks wait only on taps replay breakable graphs; raw saves, no
 clone). Each workload row of an nnsight_ray engine prints how its timed steps
 ran (``step_modes()``: ``graph``, ``piecewise``, ``eager_for_block``, ``eager``).
 
-Each workload row of a RayVLLM engine also prints its last run's timeline
+Each workload row of a RayVLLM engine also prints its last run's timeline, and
+its slowest run's when that is another one
 (``RayVLLM.timeline()``, ms from the call): the submit, the render batches,
 when the first and last request went into vLLM, the steps (how many, how many
 under half the largest, the rank's time in and between them, the first
@@ -487,13 +488,15 @@ def child(args: argparse.Namespace) -> None:
             before()
             run()  # warm-up (and the first check)
             modes_before = bench.step_modes()
-            times, amounts = [], None
+            times, amounts, timelines = [], None, []
             for _ in range(args.repeats):
                 before()
                 began, mono = time.perf_counter(), time.monotonic()
                 amounts = run()
                 times.append(time.perf_counter() - began)
-            timeline = bench.timeline(mono, time.monotonic())
+                timelines.append(bench.timeline(mono, time.monotonic()))  # untimed, between runs
+            timeline = timelines[-1]
+            slowest = max(range(len(times)), key=times.__getitem__)
             median = statistics.median(times)
             tokens, saved = amounts
             modes = {k: v - modes_before.get(k, 0) for k, v in bench.step_modes().items()}
@@ -506,6 +509,11 @@ def child(args: argparse.Namespace) -> None:
             if timeline:
                 result["workloads"][workload]["timeline"] = timeline
                 print(f"[{args.child}] {workload} last run, ms: {timeline}", flush=True)
+            if timelines[slowest] and slowest != len(times) - 1:  # the outlier's story (session 25: run 3 of 5,
+                # ~0.4 s slower, in every RayVLLM row on the H200)
+                result["workloads"][workload]["slowest_timeline"] = timelines[slowest]
+                print(f"[{args.child}] {workload} slowest run ({slowest + 1} of {len(times)}), ms: {timelines[slowest]}",
+                      flush=True)
         except Exception as error:
             result["errors"][workload] = f"{type(error).__name__}: {error}"
             print(f"[{args.child}] {workload} FAILED: {type(error).__name__}: {error}", flush=True)

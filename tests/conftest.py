@@ -83,21 +83,21 @@ def ray_engine(request, model_dir, name, **layout):
 def session_engines(request, model_dir):
     """The session's RayVLLM deployments, started together (their starts overlap: ~1.3x one, not 2x).
 
-    ``tp1``: one rank (built with ``enforce_eager=True``); ``tp2``: TP=2 with the two ranks on two different
-    raylets (STRICT_SPREAD), built with ``taps`` and ``early_ranks``.
+    ``tp1``: one rank (built with ``enforce_eager=True``, and ``early_ranks=False``: vLLM's executor creates
+    its rank); ``tp2``: TP=2 with the two ranks on two different raylets (STRICT_SPREAD), built with ``taps``
+    (and ``early_ranks``, the default).
     """
     from nnsight_ray import RayVLLM
 
     request.getfixturevalue("ray_cluster")
     models = RayVLLM.start_many(model_dir, {
         # enforce_eager=True: a keyword nnsight's VLLM takes (and pops), once refused here (issue 14.2).
-        "tp1": {"enforce_eager": True},
+        # early_ranks=False: the one session engine whose rank vLLM's executor creates itself (every other engine
+        # of the suite starts its ranks early, the default since session 25, and the executor adopts them).
+        "tp1": {"enforce_eager": True, "early_ranks": False},
         # taps (issue 23): a graph engine; on the CPU build every step runs eagerly and serves every location,
         # so every test on tp2 (layouts, batch, remote) also checks that untapped locations are served.
-        # early_ranks (session 24): the two rank actors start with the engine actor and vLLM's executor adopts them,
-        # so every test on tp2 also runs on adopted ranks (tp1 and the other layouts' ranks are the executor's own).
-        "tp2": {"tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD", "taps": ["model.layers.*.output"],
-                "early_ranks": True},
+        "tp2": {"tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD", "taps": ["model.layers.*.output"]},
     }, **ENGINE_KWARGS)
     yield models
     for model in models.values():

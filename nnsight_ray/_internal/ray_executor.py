@@ -27,7 +27,7 @@ strategy placed; and its actor class and actor names are fixed inside
   4. *Ranks.* ``NNsightRankProc`` (CPU-capable, with ``take_payloads`` for the
      merge actors on a second thread: ``max_concurrency``), named
      ``<engine>.pp<p>.tp<t>`` in the ``nnsight_ray`` namespace. With
-     ``RankPlacement.early_ranks`` the engine actor has already created them,
+     ``RankPlacement.early_ranks`` (the default) the engine actor has already created them,
      bare (``start_ranks_early``), with the options this step computes
      (``rank_actor_options``); this step adopts each one that was created so.
   5. *Threads (CPU).* vLLM binds a CPU rank's OpenMP threads through

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Prepared", "prepare"]
 
 # RayVLLM options that may ride engine_kwargs besides vLLM's own arguments.
-_RAYVLLM_OPTIONS = {"placement_timeout_s", "cpu_binding", "num_merge_actors", "taps"}
+_RAYVLLM_OPTIONS = {"placement_timeout_s", "cpu_binding", "num_merge_actors", "taps", "early_ranks"}
 
 
 @dataclass

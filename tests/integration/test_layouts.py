@@ -177,17 +177,29 @@ def test_topology_names_ranks_and_spreads_nodes(engine):
     assert set(nodes) <= alive
 
 
-def test_ranks_started_early_are_the_ones_vllm_runs(ray_tp2):
-    """``early_ranks=True`` (the session's TP=2 engine): the engine actor starts both rank actors before
-    vLLM's engine core, and the executor adopts them (``NNsightRankProc.adopt``); one it could not adopt
-    would be killed and replaced, leaving a dead actor of the same name. Every other test on ``tp2`` runs
-    on these ranks."""
+def _early_rank_ids(model) -> list[str]:
+    """The actor ids of the rank actors ``model``'s engine actor created itself (``early_ranks``)."""
+    return ray.get(model.vllm_entrypoint.engine.__ray_call__.remote(
+        lambda actor: [rank._actor_id.hex() for rank in actor.early_ranks]))
+
+
+def test_ranks_started_early_are_the_ones_vllm_runs(ray_tp2, ray_tp1):
+    """``early_ranks`` (the default; the session's TP=2 engine): the engine actor starts both rank actors
+    before vLLM's engine core, and the executor adopts them (``NNsightRankProc.adopt``); one it could not
+    adopt would be killed and replaced by one of the same name. So the ranks vLLM runs are exactly the
+    actors the engine actor created, all alive. ``tp1`` (``early_ranks=False``) has none of its own: its
+    rank is the executor's. Every other test on ``tp2`` runs on adopted ranks."""
     import ray._private.state as ray_state
 
     names = {t["actor_name"] for t in ray_tp2.topology()}
     assert names == {"tp2.pp0.tp0", "tp2.pp0.tp1"}
-    states = [(a["Name"], a["State"]) for a in ray_state.actors().values() if a.get("Name") in names]
-    assert sorted(states) == [("tp2.pp0.tp0", "ALIVE"), ("tp2.pp0.tp1", "ALIVE")], states
+    running = {a["ActorID"]: a["State"] for a in ray_state.actors().values() if a.get("Name") in names
+               and a["State"] != "DEAD"}
+    dead = [a["Name"] for a in ray_state.actors().values() if a.get("Name") in names and a["State"] == "DEAD"]
+    assert not dead, f"an early rank was replaced: {dead}"
+    assert sorted(_early_rank_ids(ray_tp2)) == sorted(running), running
+    assert set(running.values()) == {"ALIVE"}
+    assert _early_rank_ids(ray_tp1) == []
 
 
 @ray_layouts
