@@ -90,7 +90,7 @@ class MergeBook:
         now = time.monotonic()
         for position, report in enumerate(reports):
             payloads = [taken[position] for taken in per_rank]
-            self.bytes_merged += sum(len(p) for p in payloads if p)
+            self.bytes_merged += sum(getattr(p, "nbytes", None) or len(p) for p in payloads if p)
             self.requests_merged += 1
             state = self.group(report.group)
             error = report.error or failure
@@ -159,14 +159,18 @@ class MergeBook:
                 "dead": self.dead}
 
 
-def merge_request(output: Any, request_id: str, payloads: list[bytes | None]) -> Any:
-    """Attach a finished request's merged saves (ranks' payloads in rank order) to its output."""
+def merge_request(output: Any, request_id: str, payloads: list[Any]) -> Any:
+    """Attach a finished request's merged saves (ranks' payloads in rank order: bytes, or
+    ``payload.Arrived``) to its output."""
     from nnsight.modeling.vllm.engines.engine import attach, merge_collected
 
+    from .payload import arrived
+
     present = [p for p in payloads if p]
-    entry = merge_collected(present).get(request_id)
-    if entry is not None and len(present) > 1:
-        merge_caches(entry, request_id, present)
+    with arrived(present):  # nnsight loads each payload; a shipped one's tensors arrived beside it
+        entry = merge_collected(present).get(request_id)
+        if entry is not None and len(present) > 1:
+            merge_caches(entry, request_id, present)
     if output is None:
         return None
     if entry is None:
@@ -181,7 +185,7 @@ def _cache_views(saves: dict) -> list[str]:
     return [name for name, value in saves.items() if isinstance(value, CacheView)]
 
 
-def merge_caches(entry: dict, request_id: str, payloads: list[bytes]) -> None:
+def merge_caches(entry: dict, request_id: str, payloads: list[Any]) -> None:
     """Give every ``tracer.cache()`` of a request the modules of every rank, as one device records them.
 
     ``merge_collected`` keeps one rank's value per saved name (the last one's), which for a

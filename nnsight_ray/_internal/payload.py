@@ -26,12 +26,17 @@ it. One object saved twice is one tensor when it arrives. Everything else
 (tensor subclasses, tensors needing grad) goes the way nnsight sends it.
 
 - Ranks: ``nnsight_ray_stash`` collects with nnsight's own ``collect_nnsight``
-  inside ``unserialized()``; the merge actor's call pickles each request's
-  entry with ``dumps`` (one device copy per dtype per request).
-- The merge actor: nnsight's ``merge_collected`` reads these bytes with plain
-  ``pickle.loads``; what it returns to callers is wrapped in ``Packed``, so Ray
-  writes it with ``dumps`` too and the caller's ``ray.get`` gets the value
-  itself, never a wrapper.
+  inside ``unserialized()``; the merge actor's call (``take_payloads``) packs
+  every request's entry at once (``ship_each``: one device copy per dtype for
+  all of them) into ``Shipped`` payloads, whose buffers Ray writes out of band,
+  straight into its object store (no copy into a pickle stream, none out of it).
+- The merge actor: each arrives as an ``Arrived`` (the structure's bytes, its
+  tensors beside them); nnsight's ``merge_collected`` reads it with plain
+  ``pickle.loads`` inside ``arrived(...)``, which lets each payload's
+  ``_tensor_of(token, i)`` find its own tensors (several ranks' payloads of one
+  request load together). What it returns to callers is wrapped in ``Packed``,
+  so Ray writes it with ``dumps`` too and the caller's ``ray.get`` gets the
+  value itself, never a wrapper.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import io
 import itertools
 import pickle
 import threading
+import uuid
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -62,10 +68,11 @@ class _Pickler(_CompactPickler):
     prefill outputs; docs/performance.md, "Session 16").
     """
 
-    def __init__(self, file: Any, protocol: int) -> None:
+    def __init__(self, file: Any, protocol: int, token: str | None = None) -> None:
         super().__init__(file, protocol)
         self.tensors: list[torch.Tensor] = []
         self._index: dict[int, int] = {}
+        self.token = token  # set: the tensors are ``_tensor_of(token, index)`` (a ``Shipped`` payload)
 
     def reducer_override(self, obj: Any) -> Any:
         if not _packable(obj):
@@ -74,7 +81,7 @@ class _Pickler(_CompactPickler):
         if index is None:
             index = self._index[id(obj)] = len(self.tensors)
             self.tensors.append(obj)
-        return _tensor_at, (index,)
+        return (_tensor_at, (index,)) if self.token is None else (_tensor_of, (self.token, index))
 
 
 # The tensors of the payloads being loaded on this thread, innermost last (``_unpack``, ``_tensor_at``).
@@ -84,6 +91,14 @@ _loading = threading.local()
 def _tensor_at(index: int) -> torch.Tensor:
     """The ``index``-th tensor of the payload being loaded (what a packed tensor unpickles to)."""
     return _loading.stack[-1][index]
+
+
+def _tensor_of(token: str, index: int) -> torch.Tensor:
+    """The ``index``-th tensor of the arrived payload ``token`` (what a shipped tensor unpickles to)."""
+    for frame in reversed(_loading.__dict__.get("frames", ())):
+        if token in frame:
+            return frame[token][index]
+    raise pickle.UnpicklingError(f"payload {token}'s tensors are not here: load it with payload.loads")
 
 
 # A CPU storage is sent whole, its tensors as offsets into it, when they cover at least this share of it.
@@ -195,6 +210,17 @@ def _unpack(structure: bytes, buffers: list[tuple[Any, torch.dtype]], specs: lis
     A buffer that arrives read-only (out of band from Ray's object store) is
     copied once, so every loaded tensor is writable and owns its memory.
     """
+    tensors = _views(buffers, specs)
+    stack = _loading.__dict__.setdefault("stack", [])
+    stack.append(tensors)
+    try:
+        return pickle.loads(structure)
+    finally:
+        stack.pop()
+
+
+def _views(buffers: list[tuple[Any, torch.dtype]], specs: list[Any]) -> list[torch.Tensor]:
+    """The payload's tensors: each dtype's buffer viewed once (copied once if read-only), each tensor a view."""
     tensors: list[Any] = [None] * len(specs)
     members: list[list[int]] = [[] for _ in buffers]
     for i, spec in enumerate(specs):
@@ -215,12 +241,7 @@ def _unpack(structure: bytes, buffers: list[tuple[Any, torch.dtype]], specs: lis
         for i, piece in zip(indices, pieces):
             shape = specs[i][3]
             tensors[i] = piece if len(shape) == 1 else piece.view(shape)
-    stack = _loading.__dict__.setdefault("stack", [])
-    stack.append(tensors)
-    try:
-        return pickle.loads(structure)
-    finally:
-        stack.pop()
+    return tensors
 
 
 class _Payload:
@@ -233,10 +254,11 @@ class _Payload:
         return _unpack, (self.structure, self.buffers, self.specs)
 
 
-def _structure(value: Any) -> tuple[bytes, list[torch.Tensor]]:
-    """``value`` pickled with its plain tensors left out (indices, ``_tensor_at``), and those tensors."""
+def _structure(value: Any, token: str | None = None) -> tuple[bytes, list[torch.Tensor]]:
+    """``value`` pickled with its plain tensors left out (indices, ``_tensor_at``; ``_tensor_of`` with a
+    ``token``), and those tensors."""
     buffer = io.BytesIO()
-    pickler = _Pickler(buffer, pickle.HIGHEST_PROTOCOL)
+    pickler = _Pickler(buffer, pickle.HIGHEST_PROTOCOL, token)
     pickler.dump(value)
     return buffer.getvalue(), pickler.tensors
 
@@ -254,28 +276,108 @@ def dumps_each(values: list[Any]) -> list[bytes | Exception]:
     """``dumps`` of each value, their copies off the device shared (``_pack_many``): for many small
     payloads (a batch of finished requests), one concatenation and one device copy per dtype instead of
     one per payload. A value that cannot be pickled is its exception here; the others are unaffected."""
+    results = _packed_each(values, None)
+    for i, packed in enumerate(results):
+        if isinstance(packed, tuple):
+            try:
+                results[i] = _bytes(_Payload(*packed))
+            except Exception as exception:
+                results[i] = exception
+    return results
+
+
+def ship_each(values: list[Any]) -> list[Any]:
+    """Each value as a ``Shipped`` payload (bytes if it holds no tensor, its exception if it cannot be
+    pickled), packed as ``dumps_each`` packs them: for a rank to hand to a merge actor through Ray."""
+    return [Shipped(*packed) if isinstance(packed, tuple) else packed for packed in _packed_each(values, True)]
+
+
+def _packed_each(values: list[Any], tokens: bool | None) -> list[Any]:
+    """Per value: ``(structure, buffers, specs[, token])`` (its tensors packed with the others',
+    ``_pack_many``), plain pickle bytes (no tensor, or the shared copy failed), or its exception."""
     results: list[Any] = [None] * len(values)
-    pending: list[tuple[int, bytes, list[torch.Tensor]]] = []
+    pending: list[tuple[int, bytes, list[torch.Tensor], str | None]] = []
     for i, value in enumerate(values):
+        token = uuid.uuid4().hex if tokens else None
         try:
-            structure, tensors = _structure(value)
+            structure, tensors = _structure(value, token)
         except Exception as exception:
             results[i] = exception
             continue
         if tensors:
-            pending.append((i, structure, tensors))
+            pending.append((i, structure, tensors, token))
         else:
             results[i] = structure
     try:
-        packs = _pack_many([tensors for _, _, tensors in pending])
+        packs = _pack_many([tensors for _, _, tensors, _ in pending])
     except Exception:  # one payload's tensor the shared copy cannot take: each on its own, as dumps does
         packs = None
-    for k, (i, structure, _) in enumerate(pending):
-        try:
-            results[i] = _bytes(_Payload(structure, *packs[k])) if packs is not None else dumps(values[i])
-        except Exception as exception:
-            results[i] = exception
+    for k, (i, structure, _, token) in enumerate(pending):
+        if packs is None:
+            try:
+                results[i] = dumps(values[i])
+            except Exception as exception:
+                results[i] = exception
+        else:
+            results[i] = (structure, *packs[k]) + ((token,) if tokens else ())
     return results
+
+
+class Shipped:
+    """A rank's payload on its way to a merge actor: the structure (tensors as ``_tensor_of(token, i)``)
+    and one buffer per dtype, which Ray (pickle protocol 5) writes out of band, straight into its object
+    store. It arrives as an ``Arrived``: no in-band copy of the tensors' bytes on either side, where
+    ``dumps_each``'s bytes were copied into the pickle stream, into the object store and out again."""
+
+    __slots__ = ("structure", "buffers", "specs", "token")
+
+    def __init__(self, structure: bytes, buffers: list, specs: list, token: str) -> None:
+        self.structure, self.buffers, self.specs, self.token = structure, buffers, specs, token
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        buffers = self.buffers
+        if protocol < 5:  # no PickleBuffer before protocol 5: the bytes go in the stream
+            buffers = [(b.raw().tobytes() if isinstance(b, pickle.PickleBuffer) else b, dtype) for b, dtype in buffers]
+        return _arrive, (self.structure, buffers, self.specs, self.token)
+
+
+class Arrived(bytes):
+    """A ``Shipped`` payload where it arrived: the structure's bytes, its tensors beside them
+    (``tensors``, views of one writable copy of each buffer). ``loads`` reads it (with the tensors);
+    ``nbytes`` is what it carried."""
+
+    token: str
+    tensors: list[torch.Tensor]
+    nbytes: int
+
+
+def _arrive(structure: bytes, buffers: list[tuple[Any, torch.dtype]], specs: list[Any], token: str) -> Arrived:
+    arrived = Arrived(structure)
+    arrived.token, arrived.tensors = token, _views(buffers, specs)
+    arrived.nbytes = len(structure) + sum(memoryview(b).nbytes for b, _ in buffers)
+    return arrived
+
+
+@contextmanager
+def arrived(payloads: list[Any]) -> Iterator[None]:
+    """Within: ``pickle.loads`` of any ``Arrived`` in ``payloads`` finds its tensors (nnsight's
+    ``merge_collected`` takes bytes and loads them itself)."""
+    frame = {p.token: p.tensors for p in payloads if isinstance(p, Arrived)}
+    if not frame:
+        yield
+        return
+    frames = _loading.__dict__.setdefault("frames", [])
+    frames.append(frame)
+    try:
+        yield
+    finally:
+        frames.pop()
+
+
+def loads(payload: bytes) -> Any:
+    """A rank's payload (``Arrived`` or bytes) as its value."""
+    with arrived([payload]):
+        return pickle.loads(payload)
 
 
 def _bytes(packed: Any) -> bytes:

@@ -49,22 +49,24 @@ def stash_take(request_ids: list[str]) -> list[Any]:
         return [(_stash.pop(rid, (0.0, None)))[1] for rid in request_ids]
 
 
-def take_serialized(request_ids: list[str]) -> list[bytes | None]:
-    """The payloads of ``request_ids``, serialized now, on the taker's thread (the merge actor's call).
+def take_serialized(request_ids: list[str]) -> list[Any]:
+    """The payloads of ``request_ids``, packed now, on the taker's thread (the merge actor's call): each a
+    ``payload.Shipped`` (or bytes: no tensor, or an error payload; None where nothing was stashed).
 
     The stash keeps each request's collected entry as it is (saved values still
     where the forward left them, on the device): pickling, and the copy off the
-    device (one per dtype for all of these requests: ``payload.dumps_each``),
+    device (one per dtype for all of these requests: ``payload.ship_each``),
     happen here, off the engine's critical path, instead of inside the
     collective ``nnsight_ray_stash``, during which vLLM's engine core runs no step.
+    The tensors' bytes go out of band, straight into Ray's object store.
     """
-    from .payload import dumps, dumps_each
+    from .payload import dumps, ship_each
 
     entries = stash_take(request_ids)
     batch = [i for i, entry in enumerate(entries) if isinstance(entry, dict)]
-    results = dumps_each([{request_ids[i]: entries[i]} for i in batch])
+    results = ship_each([{request_ids[i]: entries[i]} for i in batch])
     for i, result in zip(batch, results):
-        entries[i] = result if isinstance(result, bytes) else _failed(request_ids[i], entries[i], result, dumps)
+        entries[i] = _failed(request_ids[i], entries[i], result, dumps) if isinstance(result, Exception) else result
     return entries
 
 

@@ -113,7 +113,7 @@ class NNsightRankProc(RayWorkerProc):
             "cpus": sorted(os.sched_getaffinity(0)),
         }
 
-    def take_payloads(self, request_ids: list[str]) -> list[bytes | None]:
+    def take_payloads(self, request_ids: list[str]) -> list[Any]:
         """Hand the merge actor what ``nnsight_ray_stash`` kept for these requests.
 
         Runs on a second actor thread (the rank is created with

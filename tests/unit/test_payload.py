@@ -211,3 +211,50 @@ def test_a_payload_inside_a_payload_loads_its_own_tensors():
     loaded = pickle.loads(payload.dumps(value))
     assert torch.equal(loaded[0], torch.zeros(3)) and torch.equal(loaded[2], torch.ones(4))
     assert torch.equal(loaded[1]["b"], torch.full((2,), 7.0))
+
+
+def _through_ray(value):
+    """What Ray does with a call's result: protocol 5, buffers out of band, read-only where they land."""
+    buffers: list = []
+    data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    return pickle.loads(data, buffers=[memoryview(b).toreadonly() for b in buffers]), data, buffers
+
+
+def test_a_shipped_payload_carries_its_tensors_out_of_band_and_loads_writable():
+    """rank -> merge actor (``ship_each``): the tensors' bytes never enter the pickle stream; what arrives
+    is bytes nnsight's ``merge_collected`` can load (inside ``arrived``), its tensors writable copies."""
+    values = [{f"r{i}": {"saves": {"h": [torch.full((64,), float(i * 100 + s)) for s in range(32)],
+                                   "ids": torch.arange(3)}, "error": None, "registered": {}, "sequences": {}}}
+              for i in range(8)]
+    shipped = payload.ship_each(values)
+    assert all(isinstance(s, payload.Shipped) for s in shipped)
+    for value, one in zip(values, shipped):
+        got, data, buffers = _through_ray(one)
+        assert isinstance(got, payload.Arrived) and len(buffers) == 2  # float32 and int64, out of band
+        assert len(data) < 4000 and got.nbytes == len(got) + 32 * 64 * 4 + 3 * 8
+        (rid, entry), = payload.loads(got).items()
+        assert [t.tolist() for t in entry["saves"]["h"]] == [t.tolist() for t in value[rid]["saves"]["h"]]
+        entry["saves"]["h"][0].add_(1)  # writable: copied out of the read-only buffer once
+        with pytest.raises(pickle.UnpicklingError, match="payload.loads"):
+            pickle.loads(got)  # its tensors live beside it, not in its bytes
+    old = pickle.loads(pickle.dumps(shipped[2], protocol=4))  # no PickleBuffer before protocol 5
+    assert payload.loads(old)["r2"]["saves"]["h"][5].tolist() == [205.0] * 64
+
+
+def test_nnsights_merge_reads_several_ranks_shipped_payloads_of_one_request():
+    """Tensor/pipeline-parallel ranks each ship their part of a request; nnsight's ``merge_collected``
+    (inside ``arrived``) unions them, each rank's tensors found by its own payload's token."""
+    from nnsight.modeling.vllm.engines.engine import merge_collected
+
+    def entry(saves):
+        return {"rq": {"saves": saves, "error": None, "registered": {}, "sequences": {}}}
+
+    stage0 = payload.ship_each([entry({"a": torch.ones(4)})])[0]
+    stage1 = payload.ship_each([entry({"b": torch.zeros(2), "n": 7})])[0]
+    plain = payload.dumps(entry({"c": torch.full((3,), 2.0)}))  # an older rank's bytes
+    present = [_through_ray(stage0)[0], _through_ray(stage1)[0], plain]
+    with payload.arrived(present):
+        merged = merge_collected(present)["rq"]["saves"]
+    assert sorted(merged) == ["a", "b", "c", "n"]
+    assert torch.equal(merged["a"], torch.ones(4)) and torch.equal(merged["b"], torch.zeros(2))
+    assert torch.equal(merged["c"], torch.full((3,), 2.0)) and merged["n"] == 7
