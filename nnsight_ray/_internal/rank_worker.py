@@ -15,6 +15,7 @@ collective, during which vLLM's engine core runs no step, does no pickling.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import threading
@@ -125,6 +126,7 @@ class RankRPCMixin:
             "pp_rank": get_pp_group().rank_in_group,
             "tp_rank": get_tp_group().rank_in_group,
             "pid": os.getpid(),
+            "gc_frozen": gc.get_freeze_count(),  # vLLM freezes a worker's heap after its warm-up
             "node_id": None,
             "actor_name": None,
             "actor_id": None,
