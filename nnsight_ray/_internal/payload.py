@@ -276,7 +276,7 @@ def dumps_each(values: list[Any]) -> list[bytes | Exception]:
     """``dumps`` of each value, their copies off the device shared (``_pack_many``): for many small
     payloads (a batch of finished requests), one concatenation and one device copy per dtype instead of
     one per payload. A value that cannot be pickled is its exception here; the others are unaffected."""
-    results = _packed_each(values, None)
+    results = _packed_each(values, tokens=False)
     for i, packed in enumerate(results):
         if isinstance(packed, tuple):
             try:
@@ -289,12 +289,13 @@ def dumps_each(values: list[Any]) -> list[bytes | Exception]:
 def ship_each(values: list[Any]) -> list[Any]:
     """Each value as a ``Shipped`` payload (bytes if it holds no tensor, its exception if it cannot be
     pickled), packed as ``dumps_each`` packs them: for a rank to hand to a merge actor through Ray."""
-    return [Shipped(*packed) if isinstance(packed, tuple) else packed for packed in _packed_each(values, True)]
+    return [Shipped(*packed) if isinstance(packed, tuple) else packed for packed in _packed_each(values, tokens=True)]
 
 
-def _packed_each(values: list[Any], tokens: bool | None) -> list[Any]:
+def _packed_each(values: list[Any], tokens: bool) -> list[Any]:
     """Per value: ``(structure, buffers, specs[, token])`` (its tensors packed with the others',
-    ``_pack_many``), plain pickle bytes (no tensor, or the shared copy failed), or its exception."""
+    ``_pack_many``; with ``tokens``, a ``Shipped``'s token), plain pickle bytes (no tensor, or the shared
+    copy failed), or its exception."""
     results: list[Any] = [None] * len(values)
     pending: list[tuple[int, bytes, list[torch.Tensor], str | None]] = []
     for i, value in enumerate(values):

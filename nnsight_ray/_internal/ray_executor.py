@@ -317,13 +317,18 @@ def expected_check(options: dict[str, Any]) -> dict[str, Any]:
             "placement_group": strategy.placement_group.id.hex(), "resources": resources}
 
 
+def engine_name(vllm_config: Any) -> str:
+    """The prefix of the engine's rank actors' names: the user's ``engine_name``, else vLLM's instance id."""
+    return plan_of(vllm_config).placement.engine_name or f"engine-{vllm_config.instance_id}"
+
+
 def engine_ranks(vllm_config: Any) -> tuple[Any, list[tuple[RankId, int, str]]]:
     """The ranks' placement group, and each rank's ``(RankId, bundle index, node id)`` (vLLM's steps 1-2)."""
     plan = plan_of(vllm_config)
     placement = plan.placement
     parallel = vllm_config.parallel_config
     tp_size, size = parallel.tensor_parallel_size, parallel.world_size
-    engine = placement.engine_name or f"engine-{vllm_config.instance_id}"
+    engine = engine_name(vllm_config)
     pg = existing_placement_group(plan.placement_group_id, size, placement.placement_timeout_s)
     bundles = rank_bundles(size, envs.VLLM_RAY_BUNDLE_INDICES, placement_group_table(pg)["bundles_to_node_id"])
     return pg, [(RankId(engine=engine, pp=rank // tp_size, tp=rank % tp_size), bundle, node)
@@ -399,7 +404,7 @@ class NNsightRayExecutor(RayExecutorV2):
         tp_size, pp_size, pcp_size = self._get_parallel_sizes()
         if pcp_size != 1:
             raise NotImplementedError("nnsight_ray's Ray executor does not support prefill context parallelism")
-        engine = placement.engine_name or f"engine-{self.vllm_config.instance_id}"
+        engine = engine_name(self.vllm_config)
         # Step 2: each rank's bundle (and name).
         pg, ranks = engine_ranks(self.vllm_config)
         self._reservation = RankReservation.of(plan)  # released at shutdown, if the launch reserved it
