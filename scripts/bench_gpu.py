@@ -23,6 +23,13 @@ Equal footing:
   ``--prewarm``, so the first engine is not charged for a cold page cache).
 * **Each workload: one warm-up, then ``--repeats`` timed runs; the median** is
   printed (rows of separate runs on a shared GPU differ by up to 1.7x).
+* ``--interleave``: every engine's process alive at once (started one after
+  another, each start alone), and their runs taken in turn: run k of every row
+  before run k+1 of any, the other engines idle between their runs. A shared
+  GPU's drift over minutes (session 26: plain eager 8.2k tok/s in one
+  invocation, 16.1k in another) then hits every row alike. The engines split
+  the GPU's memory (``--gpu-memory-utilization`` 0.85 / engines): smaller
+  KV caches than alone, equal between rows.
 * **Every workload carries its values home and checks them** (count and shape)
   before it counts: a registered block saves a *named* value (``probe``), a
   trace binds its saves (a bare ``x.save()`` binds no name and nothing would
@@ -481,20 +488,23 @@ def child(args: argparse.Namespace) -> None:
         out.write_text(json.dumps(result))
         raise
     out.write_text(json.dumps(result))
+    turn = Turns(args.turns, args.turn_tag)
     for workload in bench.workloads():
         run = getattr(bench, "run_" + workload.replace("-", "_"))
         try:
             before = bench.before(workload)
-            before()
-            run()  # warm-up (and the first check)
+            with turn(workload):
+                before()
+                run()  # warm-up (and the first check)
             modes_before = bench.step_modes()
             times, amounts, timelines = [], None, []
             for _ in range(args.repeats):
-                before()
-                began, mono = time.perf_counter(), time.monotonic()
-                amounts = run()
-                times.append(time.perf_counter() - began)
-                timelines.append(bench.timeline(mono, time.monotonic()))  # untimed, between runs
+                with turn(workload):
+                    before()
+                    began, mono = time.perf_counter(), time.monotonic()
+                    amounts = run()
+                    times.append(time.perf_counter() - began)
+                    timelines.append(bench.timeline(mono, time.monotonic()))  # untimed, between runs
             timeline = timelines[-1]
             slowest = max(range(len(times)), key=times.__getitem__)
             median = statistics.median(times)
@@ -525,6 +535,78 @@ def child(args: argparse.Namespace) -> None:
     if args.spy:
         spy(bench, args)
     bench.stop()
+
+
+class Turns:
+    """``--interleave``, in a child: each run (warm-up or timed) waits for the parent's go.
+
+    Before a run the child writes ``TAG.K.ready`` (K counts its runs; the file holds the workload) and waits
+    for ``TAG.K.go``; after it, and after the run's untimed timeline, ``TAG.K.done``. Without ``--turns`` a
+    turn is free."""
+
+    def __init__(self, folder: str | None, tag: str | None) -> None:
+        self.folder, self.tag, self.k = (Path(folder) if folder else None), tag, 0
+
+    def __call__(self, workload: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def one():
+            if self.folder is None:
+                yield
+                return
+            stem = self.folder / f"{self.tag}.{self.k}"
+            Path(f"{stem}.ready").write_text(workload)
+            while not Path(f"{stem}.go").exists():
+                time.sleep(0.005)
+            try:
+                yield
+            finally:
+                Path(f"{stem}.done").touch()
+                self.k += 1
+
+        return one()
+
+
+def interleave(children: list[tuple[str, list[str], dict, str | None]], folder: Path, deadline_s: float) -> dict:
+    """``--interleave``: every engine's process alive at once, each run of each in turn.
+
+    The children start one after another (each start alone, timed in the child, as without it); then, round
+    after round, each live child runs its next run (a warm-up or a timed run of its next workload) while
+    the others wait between runs: drift of a shared GPU over minutes hits every row alike. Returns each
+    engine's exit code (``"timeout"`` past ``deadline_s``)."""
+    deadline = time.monotonic() + deadline_s
+    procs, codes, runs = {}, {}, {}
+
+    def wait_for(tag: str, suffix: str) -> bool:  # False: the child ended (or the deadline passed) first
+        path = folder / f"{tag}.{runs[tag]}.{suffix}"
+        while not path.exists():
+            if procs[tag].poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    for tag, command, env, cwd in children:
+        procs[tag], runs[tag] = subprocess.Popen(command, env=env, cwd=cwd), 0
+        wait_for(tag, "ready")  # started (or failed to): the next one starts alone
+    live = [tag for tag, *_ in children]
+    while live:
+        for tag in list(live):
+            if not wait_for(tag, "ready"):
+                live.remove(tag)
+                continue
+            (folder / f"{tag}.{runs[tag]}.go").touch()
+            if not wait_for(tag, "done"):
+                live.remove(tag)
+                continue
+            runs[tag] += 1
+    for tag, proc in procs.items():
+        try:
+            codes[tag] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes[tag] = "timeout"
+    return codes
 
 
 def profile(bench: Bench, top: int, workloads: list[str]) -> None:
@@ -708,7 +790,8 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
 
     rows = []
     print(f"\n{args.arch} {args.dtype}, {args.prompts} prompts x {args.tokens} tokens (all in flight), "
-          f"extract {args.extract_prompts} x ~{args.extract_len} tokens, median of {args.repeats}, {args.device}")
+          f"extract {args.extract_prompts} x ~{args.extract_len} tokens, median of {args.repeats}"
+          f"{', runs interleaved' if args.interleave else ''}, {args.device}")
     print(f"{'engine':<14} {'workload':<12} {'tok/s':>9} {'vs defaults':>11} {'vs eager':>9} {'vs local':>9} "
           f"{'MB/s':>8}  runs (s)")
     for engine, result in results.items():
@@ -772,7 +855,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--extract-prompts", type=int, default=None)
     parser.add_argument("--extract-len", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="each engine's share (default 0.5; with --interleave 0.85 split among the engines)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="every engine's process alive at once (started one after another), their runs in "
+                             "turn: run k of every row before run k+1 of any (the rows share the GPU's drift)")
     parser.add_argument("--shard-prompts", type=int, default=64, help="shards: prompts per part file")
     parser.add_argument("--cpus-per-rank", type=float, default=0,
                         help="RayVLLM rows: CPUs each rank reserves, and its OMP threads on the CPU build "
@@ -808,6 +895,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--turns", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--turn-tag", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cpu = args.cpu
     defaults = dict(arch="llama" if cpu else "llama-1b", dtype="float32" if cpu else "bfloat16",
@@ -832,6 +921,8 @@ def main(argv: list[str] | None = None) -> None:
     for key in ("shards_dir", "spy_dir", "spy_bin", "kernel_profile"):  # a tree's child runs in that tree
         if getattr(args, key):
             setattr(args, key, str(Path(getattr(args, key)).resolve()))
+    if args.gpu_memory_utilization is None:  # interleaved engines hold the GPU together
+        args.gpu_memory_utilization = round(0.85 / len(engines), 3) if args.interleave else 0.5
     results: dict[str, dict] = {}
     forwarded = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in
                  ("workloads", "prompts", "tokens", "traces", "repeats", "extract_prompts", "extract_len",
@@ -841,7 +932,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.prewarm:
         prewarm()
     with tempfile.TemporaryDirectory() as scratch:
-        for engine in engines:
+        children = []
+        for index, engine in enumerate(engines):
             out = Path(scratch) / f"{engine}.json"
             command = [sys.executable, str(Path(__file__).resolve()), *forwarded, "--child", engine, "--child-json", str(out),
                        "--model-path", path, "--arch", args.arch, "--dtype", args.dtype]
@@ -850,6 +942,8 @@ def main(argv: list[str] | None = None) -> None:
             base, tree = engine_tree(plain, args.tree)
             command[command.index("--child") + 1] = base
             command[command.index(f"--skip={args.skip}")] = f"--skip={child_skip(args.skip, engine, base)}"
+            if args.interleave:
+                command += ["--turns", scratch, "--turn-tag", f"e{index}"]
             if tree:
                 env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p])
             # Ray puts its driver's working directory first on every worker's sys.path, so a tree's
@@ -858,17 +952,30 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[{engine}] the {base} engine with {extra}", flush=True)
             if base == "local-profile":  # the engine core in the child, so the profile sees the runner
                 env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            began = time.perf_counter()
-            try:
-                code = subprocess.run(command, timeout=args.timeout, env=env, cwd=tree).returncode
-            except subprocess.TimeoutExpired:
-                code = "timeout"
+            children.append((engine, f"e{index}", command, env, tree, out))
+
+        def collect(engine: str, out: Path, code: Any, seconds: float) -> None:
             results[engine] = json.loads(out.read_text()) if out.exists() else {"engine": engine, "errors": {}}
             results[engine]["engine"] = engine
             if code != 0:
-                results[engine].setdefault("errors", {})["process"] = f"exit {code} after {time.perf_counter() - began:.0f} s"
+                results[engine].setdefault("errors", {})["process"] = f"exit {code} after {seconds:.0f} s"
             if args.json:  # partial results survive a later engine's failure
                 Path(args.json).write_text(json.dumps({"results": results, "args": vars(args)}, indent=1))
+
+        if args.interleave:
+            began = time.perf_counter()
+            codes = interleave([(tag, command, env, tree) for _, tag, command, env, tree, _ in children],
+                               Path(scratch), args.timeout * len(children))
+            for engine, tag, *_, out in children:
+                collect(engine, out, codes[tag], time.perf_counter() - began)
+        else:
+            for engine, tag, command, env, tree, out in children:
+                began = time.perf_counter()
+                try:
+                    code = subprocess.run(command, timeout=args.timeout, env=env, cwd=tree).returncode
+                except subprocess.TimeoutExpired:
+                    code = "timeout"
+                collect(engine, out, code, time.perf_counter() - began)
     rows = table(results, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "results": results, "args": vars(args)}, indent=1))

@@ -154,6 +154,7 @@ class MergeActor:
                                  ping_timeout_s=PING_TIMEOUT_S, declared_wait_s=DECLARED_WAIT_S)
         self._sweeper: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
+        self._heap_frozen = False
         # Fetches, merges and hand-backs (``timeline``).
         self.events = Timeline()
         watch_gc()
@@ -168,10 +169,14 @@ class MergeActor:
         """Rank actors in rank order (rank = pp * tp_size + tp): the merge order; and the engine to watch."""
         self.ranks = [ray.get_actor(r.name, namespace=NAMESPACE) for r in ranks]
         self.rank_names = [r.name for r in ranks]
-        if not gc.get_freeze_count():
+        if not self._heap_frozen:
             # As the engine actor does once its engine is up (vLLM's freeze_gc_heap): the startup heap
             # (torch, vLLM, Ray, nnsight) goes to a frozen generation no collection scans again. Without
-            # it one full collection here held a 2,048-prompt result for 403 ms (H200, session 18).
+            # it one full collection here held a 2,048-prompt result for 403 ms (H200, session 18). Once
+            # per actor, whatever froze before: on the H200 something in the process froze 375 objects
+            # first, a guard on gc.get_freeze_count() skipped this, and a full collection of the 770k
+            # unfrozen objects held the third run of every engine's first workload for 0.4-0.7 s (session 26).
+            self._heap_frozen = True
             await asyncio.to_thread(self._prewarm.join, 60)
             from vllm.utils.gc_utils import freeze_gc_heap
 
@@ -247,7 +252,8 @@ class MergeActor:
         return Packed(trace_saves(state.ordered(), presaved))
 
     async def stats(self) -> dict[str, Any]:
-        return {**self.book.stats(), "gc_frozen": gc.get_freeze_count()}
+        # gc_unfrozen: what a full collection here scans (a frozen startup heap leaves thousands, not 770k).
+        return {**self.book.stats(), "gc_frozen": gc.get_freeze_count(), "gc_unfrozen": len(gc.get_objects())}
 
     async def timeline(self, since: float = 0.0) -> list[tuple]:
         """Fetches, merges and hand-backs from ``since`` (``time.monotonic``) on (``timeline``)."""

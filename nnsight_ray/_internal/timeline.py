@@ -78,7 +78,9 @@ def _pauses(events: list[tuple], who: str) -> str:
     if not gcs:
         return ""
     longest = max(e[3] - e[0] for e in gcs)
-    return f"{who} gc {len(gcs)}x {sum(e[3] - e[0] for e in gcs) * 1e3:,.0f} (longest {longest * 1e3:,.0f})"
+    generations = "/".join(str(g) for g in sorted({e[2] for e in gcs}))  # 2: a full collection
+    return (f"{who} gc {len(gcs)}x {sum(e[3] - e[0] for e in gcs) * 1e3:,.0f} (longest {longest * 1e3:,.0f}, "
+            f"generation {generations})")
 
 
 def _of(events: list[tuple], kind: str) -> list[tuple]:

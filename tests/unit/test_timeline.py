@@ -21,7 +21,7 @@ def test_summary_says_when_the_merge_fetched_merged_and_handed_back():
 def test_summary_puts_the_callers_attach_and_send_before_the_engines_submit():
     caller = [(9.0, SENT, 1, 9.0), (10.002, ATTACHED, 256, 10.030), (10.031, SENT, 256, 10.033), (10.04, GC, 2, 10.09)]
     line = summarize(10.0, 10.4, [(10.072, SUBMIT, 256, 10.072)], [], caller=caller)
-    assert line == "attached 256 +2..+30; sent +31..+33; submit +72; result +400; caller gc 1x 50 (longest 50)"
+    assert line == "attached 256 +2..+30; sent +31..+33; submit +72; result +400; caller gc 1x 50 (longest 50, generation 2)"
 
 
 def test_summary_of_a_run_with_no_events():
@@ -43,7 +43,7 @@ def test_summary_says_what_rendered_and_which_collections_paused_whom():
     line = summarize(10.0, 10.3, engine, steps)
     assert "rendered 4 in 1 +0..+50 (longest 50)" in line
     assert line.endswith("collected 4 in 1 stash calls, the last +210..+250; result +300; "
-                         "engine gc 1x 30 (longest 30); rank gc 1x 5 (longest 5)")
+                         "engine gc 1x 30 (longest 30, generation 2); rank gc 1x 5 (longest 5, generation 0)")
 
 
 def test_collections_are_recorded_with_their_generation_once_per_process(monkeypatch):
