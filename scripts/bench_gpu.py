@@ -29,7 +29,9 @@ Equal footing:
   GPU's drift over minutes (session 26: plain eager 8.2k tok/s in one
   invocation, 16.1k in another) then hits every row alike. The engines split
   the GPU's memory (``--gpu-memory-utilization`` 0.85 / engines): smaller
-  KV caches than alone, equal between rows.
+  KV caches than alone, equal between rows. A plain row runs its floor beside each
+  workload it has no row of (``generate@trace``: plain generate, in turn with
+  the trace's runs), and the ratios use those runs.
 * **Every workload carries its values home and checks them** (count and shape)
   before it counts: a registered block saves a *named* value (``probe``), a
   trace binds its saves (a bare ``x.save()`` binds no name and nothing would
@@ -163,6 +165,12 @@ def expect(condition: bool, what: str) -> None:
 # -- the child: one engine, every workload it has --------------------------------------------------
 
 
+def floor_of(workload: str) -> str:
+    """The plain rows' workload a workload is compared with: plain generate, or for the extraction workloads
+    the same prompts' prefill (a plain row's ``extract``)."""
+    return "extract" if workload in ("extract", "prefill", "shards") else "generate"
+
+
 class Bench:
     """One engine in this process and the workloads run on it."""
 
@@ -273,7 +281,12 @@ class Bench:
 
     def workloads(self) -> list[str]:
         wanted = [w for w in self.args.workloads.split(",") if w]
-        if self.engine in PLAIN:
+        if self.engine in PLAIN and self.args.turns:
+            # Interleaved, a plain row runs its floor beside each workload it lacks, in turn with it: the ratio
+            # then compares runs taken minutes apart no more ("generate@trace": plain generate beside trace).
+            wanted = [w if w in ("generate", "extract", "prefill") else f"{floor_of(w)}@{w}" for w in wanted]
+            wanted = list(dict.fromkeys(wanted))
+        elif self.engine in PLAIN:
             wanted = [w for w in wanted if w in ("generate", "extract", "prefill")]  # their extract is the prefill
         elif not self.engine.startswith("ray"):
             wanted = [w for w in wanted if w not in ("nonblocking", "shards")]
@@ -490,9 +503,10 @@ def child(args: argparse.Namespace) -> None:
     out.write_text(json.dumps(result))
     turn = Turns(args.turns, args.turn_tag)
     for workload in bench.workloads():
-        run = getattr(bench, "run_" + workload.replace("-", "_"))
+        base = workload.split("@")[0]  # "generate@trace": a plain row's floor run beside trace (--interleave)
+        run = getattr(bench, "run_" + base.replace("-", "_"))
         try:
-            before = bench.before(workload)
+            before = bench.before(base)
             with turn(workload):
                 before()
                 run()  # warm-up (and the first check)
@@ -789,33 +803,36 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
         return got["tokens_per_s"] if got else None
 
     rows = []
+    width = max([12] + [len(w) for result in results.values() for w in result.get("workloads", {})])
     print(f"\n{args.arch} {args.dtype}, {args.prompts} prompts x {args.tokens} tokens (all in flight), "
           f"extract {args.extract_prompts} x ~{args.extract_len} tokens, median of {args.repeats}"
           f"{', runs interleaved' if args.interleave else ''}, {args.device}")
-    print(f"{'engine':<14} {'workload':<12} {'tok/s':>9} {'vs defaults':>11} {'vs eager':>9} {'vs local':>9} "
+    print(f"{'engine':<14} {'workload':<{width}} {'tok/s':>9} {'vs defaults':>11} {'vs eager':>9} {'vs local':>9} "
           f"{'MB/s':>8}  runs (s)")
     for engine, result in results.items():
         for workload, got in result.get("workloads", {}).items():
             # The plain rows' "extract" is the prefill of the same prompts; every workload's plain floor is
             # plain generate, except extraction, whose floor is that prefill.
-            floor_workload = "extract" if workload in ("extract", "prefill", "shards") else "generate"
+            floor_workload = floor_of(workload.split("@")[0])
             ratios = {}
             for key, other, other_workload in (("vs_defaults", "vllm-defaults", floor_workload),
                                                ("vs_eager", "vllm-eager", floor_workload),
                                                ("vs_local", "local", workload)):
-                base = rate(other, other_workload) or (rate(other, "prefill") if other_workload == "extract" else None)
+                # Interleaved, the floor's runs taken beside this workload's ("generate@trace"), if any.
+                base = (rate(other, f"{other_workload}@{workload}") or rate(other, other_workload)
+                        or (rate(other, "prefill") if other_workload == "extract" else None))
                 if key == "vs_local":  # RayVLLM against LocalVLLM in the same mode
                     base = rate(engine.replace("ray", "local", 1), workload) if engine.startswith("ray") else None
                 ratios[key] = got["tokens_per_s"] / base if base else None
             row = {"engine": engine, "workload": workload, **got, **ratios}
             rows.append(row)
             fmt = lambda v: f"{v:>8.2f}x" if v is not None else f"{'':>9}"  # noqa: E731
-            print(f"{engine:<14} {workload:<12} {got['tokens_per_s']:>9,.0f} {fmt(ratios['vs_defaults']):>11} "
+            print(f"{engine:<14} {workload:<{width}} {got['tokens_per_s']:>9,.0f} {fmt(ratios['vs_defaults']):>11} "
                   f"{fmt(ratios['vs_eager'])} {fmt(ratios['vs_local'])} {got['saved_mb_per_s']:>8.1f}  "
                   f"{', '.join(f'{t:.2f}' for t in got['seconds'])}"
                   f"{'  steps ' + json.dumps(got['step_modes']) if got.get('step_modes') else ''}")
         for workload, error in result.get("errors", {}).items():
-            print(f"{engine:<14} {workload:<12} FAILED: {error}")
+            print(f"{engine:<14} {workload:<{width}} FAILED: {error}")
     for order, (engine, result) in enumerate(results.items(), start=1):
         if "start_s" in result:
             print(f"start {engine}: {result['start_s']:.1f} s (engine {order} of {len(results)})")

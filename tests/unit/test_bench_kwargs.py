@@ -1,21 +1,10 @@
 """The GPU benchmark's engine arguments: every engine of one invocation gets the same ones (equal footing)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_gpu.py"
-
-
-@pytest.fixture(scope="module")
-def bench_gpu():
-    spec = importlib.util.spec_from_file_location("bench_gpu_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("on_gpu", [True, False])
