@@ -107,6 +107,7 @@ runs; then start times and one SUMMARY line. ``--json`` keeps it all.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -116,7 +117,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # vLLM's V2 runner hung at start for plain vLLM on the GPU host; nnsight uses V1 (docs/gpu.md).
@@ -561,25 +562,20 @@ class Turns:
     def __init__(self, folder: str | None, tag: str | None) -> None:
         self.folder, self.tag, self.k = (Path(folder) if folder else None), tag, 0
 
-    def __call__(self, workload: str):
-        import contextlib
-
-        @contextlib.contextmanager
-        def one():
-            if self.folder is None:
-                yield
-                return
-            stem = self.folder / f"{self.tag}.{self.k}"
-            Path(f"{stem}.ready").write_text(workload)
-            while not Path(f"{stem}.go").exists():
-                time.sleep(0.005)
-            try:
-                yield
-            finally:
-                Path(f"{stem}.done").touch()
-                self.k += 1
-
-        return one()
+    @contextlib.contextmanager
+    def __call__(self, workload: str) -> Iterator[None]:
+        if self.folder is None:
+            yield
+            return
+        stem = self.folder / f"{self.tag}.{self.k}"
+        Path(f"{stem}.ready").write_text(workload)
+        while not Path(f"{stem}.go").exists():
+            time.sleep(0.005)
+        try:
+            yield
+        finally:
+            Path(f"{stem}.done").touch()
+            self.k += 1
 
 
 def interleave(children: list[tuple[str, list[str], dict, str | None]], folder: Path, deadline_s: float) -> dict:
