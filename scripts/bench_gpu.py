@@ -3,7 +3,7 @@
 Usage::
 
     python scripts/bench_gpu.py [--engines vllm-defaults,vllm-eager,nnsight-eager,nnsight-taps,local,ray]
-        [--workloads generate,registered,trace,nonblocking,every-step,extract] [--prompts 256] [--tokens 32]
+        [--workloads generate,registered,trace,nonblocking,every-step,cache,extract] [--prompts 256] [--tokens 32]
         [--traces 4] [--repeats 3] [--extract-prompts 256] [--extract-len 128] [--json OUT.json]
 
     # the GPU host (random 1.2B Llama, bf16):
@@ -85,6 +85,10 @@ Workloads (``--prompts`` prompts x ``--tokens`` greedy tokens, ``ignore_eos``, n
 * ``trace``: one trace of ``--prompts`` invokes, each saving the same value;
 * ``nonblocking``: the same in ``--traces`` non-blocking traces, then collected (RayVLLM);
 * ``every-step``: one trace, each invoke saving that value at every step (``tracer.all()``);
+* ``cache``: one trace, each invoke keeping that layer's output at every step with
+  ``tracer.cache(modules=[layer], device=None)`` (nnsight's recorder: no block runs
+  per step; it keeps every row of the step, hidden state and residual, so it
+  carries more than ``every-step``: the saved MB say how much);
 * ``extract``: ``--extract-prompts`` prompts of ``--extract-len`` tokens,
   ``max_tokens=1``, every prompt token's output of 4 layers saved (the SAE
   workload); tokens/s are prompt tokens, MB/s the saved values' bytes. The plain
@@ -131,7 +135,7 @@ GRAPH_ENGINES = ("local-graphs", "ray-graphs", "local-taps", "ray-taps")
 # Plain vLLM, and plain vLLM with its step handed to a worker process as ours is (control rows: what the
 # hand-off between engine core and worker costs without nnsight): vLLM's multiprocessing and Ray executors.
 PLAIN = ("vllm-defaults", "vllm-eager", "vllm-mp", "vllm-mp-eager", "vllm-ray")
-WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "extract", "prefill", "shards")
+WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "cache", "extract", "prefill", "shards")
 
 
 def prompts(n: int) -> list[str]:
@@ -368,6 +372,20 @@ class Bench:
     def run_every_step(self) -> tuple[int, int]:
         _, h = self._traced(self.texts, every_step=True)
         return len(self.texts) * self.args.tokens, self._check_rows(h, len(self.texts), self.args.tokens)
+
+    def run_cache(self) -> tuple[int, int]:
+        model, layer = self.model, self.model.model.layers[self.layer]
+        with model.trace(**params(self.args.tokens)) as tracer:
+            for text in self.texts:
+                with tracer.invoke(text):
+                    cache = tracer.cache(modules=[layer], device=None)
+        views = cache if isinstance(cache, list) and len(self.texts) > 1 else [cache]
+        expect(len(views) == len(self.texts), f"{len(views)} caches for {len(self.texts)} invokes")
+        path = f"model.model.layers.{self.layer}"
+        steps = {len(view[path]) for view in views}
+        expect(steps == {self.args.tokens}, f"{steps} steps cached, expected {self.args.tokens}")
+        saved = sum(t.numel() * t.element_size() for view in views for out in view[path].output for t in out)
+        return len(self.texts) * self.args.tokens, saved
 
     def run_nonblocking(self) -> tuple[int, int]:
         k = self.args.traces
@@ -620,7 +638,7 @@ def interleave(children: list[tuple[str, list[str], dict, str | None]], folder: 
 
 
 def profile(bench: Bench, top: int, workloads: list[str]) -> None:
-    """Each of ``workloads`` (of generate, registered, trace, every-step; default generate and trace) once under
+    """Each of ``workloads`` (of generate, registered, trace, every-step, cache; default generate and trace) once under
     cProfile: the top functions by own time and by cumulative time.
 
     Meant for ``--engines local-profile`` (LocalVLLM with vLLM's engine core in
@@ -631,7 +649,7 @@ def profile(bench: Bench, top: int, workloads: list[str]) -> None:
     import io
     import pstats
 
-    for workload in [w for w in workloads if w in ("generate", "registered", "trace", "every-step")] or ["generate", "trace"]:
+    for workload in [w for w in workloads if w in ("generate", "registered", "trace", "every-step", "cache")] or ["generate", "trace"]:
         profiler = cProfile.Profile()
         profiler.enable()
         getattr(bench, "run_" + workload.replace("-", "_"))()

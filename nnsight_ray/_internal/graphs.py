@@ -10,13 +10,18 @@ up to their first read (``GraphStepsRunnerMixin._determine_batch_execution_and_p
 the method vLLM's runner asks which graph, if any, runs the step):
 
 * no scheduled request has a live block (none at all, or every block has
-  finished: a prefill read is done before the first decode step): vLLM's own
-  choice, full decode graphs included;
-* every live block is parked on a tap: breakable (piecewise) graphs, never a
-  full one (a full graph runs no Python, so no tap fires in it);
-* a live block is parked anywhere else (an untapped module, a barrier), or a
-  new request asks for extraction (``extract``: PyTorch forward hooks): the
-  step runs eagerly and every location is served, as on an eager engine.
+  finished: a prefill read is done before the first decode step) nor an open
+  cache: vLLM's own choice, full decode graphs included;
+* every live block is parked on a tap, and every location a scheduled
+  request's ``tracer.cache()`` keeps is a tap: breakable (piecewise) graphs,
+  never a full one (a full graph runs no Python, so no tap fires in it);
+* a live block is parked anywhere else (an untapped module, a barrier), a
+  cache keeps an untapped location, or a new request asks for extraction
+  (``extract``: PyTorch forward hooks): the step runs eagerly and every
+  location is served, as on an eager engine.
+
+A cache outlives its block (it records every step until its request ends), so
+it is the interleaver's observers that say what it needs, not the block.
 
 Steps vLLM runs eagerly anyway (a batch larger than any graph) serve every
 location too, taps or not. ``step_need`` is the rule (unit-tested on the CPU);
@@ -96,13 +101,22 @@ def _pending_provider(mediator: Any) -> Any:
     return None if pending is None else pending.provider
 
 
-def step_need(mediators: Iterable[Any], taps: frozenset, outside: frozenset) -> str:
+def step_need(mediators: Iterable[Any], taps: frozenset, outside: frozenset,
+              observed: Iterable[str] = ()) -> str:
     """What this step needs from its graphs, given its requests' blocks (``ANY``, ``PIECEWISE``, ``EAGER``).
 
     ``outside``: locations served after the forward (logits, samples, the
-    result), which a graph step serves as an eager one does.
+    result), which a graph step serves as an eager one does. ``observed``: the
+    locations the step's caches keep (``tracer.cache()``; the interleaver's
+    ``observers``), which must be reached on every step, block or no block.
     """
     need = ANY
+    for provider in observed:
+        if provider in outside:
+            continue
+        if provider not in taps:
+            return EAGER
+        need = PIECEWISE
     for mediator in mediators:
         if not mediator.alive:
             continue
@@ -212,7 +226,8 @@ class GraphStepsRunnerMixin:
             # Extraction (``extract``: noted by its mixin's ``_update_states``, earlier in this step) reads its
             # rows in PyTorch forward hooks, which a replayed graph never runs.
             asked = getattr(self, "nnsight_ray_extract_asked", False)
-            need = EAGER if asked else step_need(interleaver.mediators, graph["taps"], graph["outside"])
+            need = EAGER if asked else step_need(interleaver.mediators, graph["taps"], graph["outside"],
+                                                 interleaver.observers)
             forced = need == EAGER and not kwargs.get("force_eager")
             if need == EAGER:
                 kwargs["force_eager"] = True

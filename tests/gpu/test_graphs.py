@@ -148,6 +148,37 @@ def test_every_step_of_a_tapped_layer_with_tracer_all(ray_taps, hf):
     modes.expect(modes.ran.get("piecewise", 0) >= STEPS - 1 and "eager_for_block" not in modes.ran)
 
 
+@pytest.mark.parametrize("what", ["a tapped layer", "an untapped input"])
+def test_a_cache_records_every_step_after_its_block_is_done(graph_engine, hf, what):
+    """``tracer.cache()`` outlives its block: a step with no live block must still reach what the cache keeps
+    (a full graph would skip it). Taps alone: breakable graphs; anything else: eager steps."""
+    kind, model = graph_engine
+    prompt_ids, generated = greedy(model, PROMPT)
+    layer = model.model.layers[1]
+    with Modes(model) as modes:
+        with model.trace(PROMPT, max_tokens=STEPS, temperature=0.0, ignore_eos=True) as tracer:
+            if what == "a tapped layer":
+                cache = tracer.cache(modules=[layer])
+            else:  # the MLP's input is not a tap; its output is
+                cache = tracer.cache(modules=[layer.mlp], include_inputs=True)
+    want = hf.run_ids(prompt_ids + generated[:STEPS - 1])
+    n = len(prompt_ids)
+    if what == "a tapped layer":
+        got = [out[0] + out[1] for out in cache["model.model.layers.1"].output]
+        expected = want["layers"][1]
+    else:
+        got = cache["model.model.layers.1.mlp"].input
+        expected = want["mlp_in"][1]
+    assert len(got) == STEPS, f"{kind}: {len(got)} of {STEPS} steps cached"
+    assert_close(got[0], expected[:n], what=f"{kind} cache of {what}, prefill")
+    for k in range(1, STEPS):
+        assert_close(got[k][-1], expected[n + k - 1], what=f"{kind} cache of {what}, decode step {k}")
+    if kind == "ray_taps" and what == "a tapped layer":
+        modes.expect(modes.ran.get("piecewise", 0) >= STEPS - 1 and "eager_for_block" not in modes.ran)
+    else:
+        modes.expect(modes.ran.get("eager_for_block", 0) >= STEPS - 1)
+
+
 def test_a_registered_block_on_plain_generate_leaves_decode_to_full_graphs(ray_taps, hf):
     with ray_taps.edit() as (tracer, edit):
         first = ray_taps.model.layers[0].output.save()  # noqa: F841 - the registered save

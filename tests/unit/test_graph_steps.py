@@ -40,6 +40,41 @@ def test_one_block_on_an_untapped_location_makes_the_step_eager_for_everyone():
     assert step_need([parked("model.model.layers.1.output")], frozenset(), OUTSIDE) == EAGER  # no taps: any read
 
 
+def test_a_cache_is_served_on_every_step_its_request_runs_whether_or_not_its_block_lives():
+    done = SimpleNamespace(alive=False, pending=None)  # the block that opened the cache has finished
+    assert step_need([done], TAPS, OUTSIDE, observed=["model.model.layers.1.output"]) == PIECEWISE
+    assert step_need([done], TAPS, OUTSIDE, observed=["model.model.layers.1.output",
+                                                      "model.model.layers.1.input"]) == EAGER
+    assert step_need([done], frozenset(), OUTSIDE, observed=["model.model.layers.1.output"]) == EAGER  # no taps
+    assert step_need([done, parked(None)], TAPS, OUTSIDE, observed=["model.model.layers.1.output"]) == EAGER
+    assert step_need([done], TAPS, OUTSIDE, observed=["model.logits"]) == ANY
+
+
+def test_what_a_real_cache_keeps_is_named_as_taps_are():
+    """The rule reads nnsight's own routes: a ``tracer.cache()`` of a tapped module, on nnsight's interleaver."""
+    import nnsight
+    import torch
+
+    from nnsight.intervention.cache import Cache
+
+    net = torch.nn.Sequential()
+    net.add_module("layers", torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)]))
+    model = nnsight.NNsight(net)
+    taps = frozenset({f"{model.layers[1].path}.output"})
+    opener = SimpleNamespace(alive=False, pending=None, caches=[Cache(model, modules=[model.layers[1]])])
+    interleaver = model.interleaver
+    interleaver.mediators = [opener]
+    interleaver.reindex()
+    try:
+        assert step_need(interleaver.mediators, taps, OUTSIDE, interleaver.observers) == PIECEWISE
+        opener.caches = [Cache(model, modules=[model.layers[1]], include_inputs=True)]
+        interleaver.reindex()
+        assert step_need(interleaver.mediators, taps, OUTSIDE, interleaver.observers) == EAGER
+    finally:
+        interleaver.mediators = []
+        interleaver.reindex()
+
+
 def test_step_modes_are_counted_by_what_ran_and_why():
     modes = StepModes()
     for name, forced in [("FULL", False), ("PIECEWISE", False), ("NONE", True), ("NONE", False), ("FULL", False)]:
