@@ -42,7 +42,6 @@ it. One object saved twice is one tensor when it arrives. Everything else
 from __future__ import annotations
 
 import io
-import itertools
 import pickle
 import threading
 import uuid
@@ -51,11 +50,14 @@ from typing import Any, Iterator
 
 import torch
 from nnsight.modeling.vllm.collect import _CompactPickler
+from torch._utils import _flatten_dense_tensors
 
 
 def _packable(obj: Any) -> bool:
+    # Attribute reads only (``is_meta``, not ``device.type``: a ``torch.device`` is built per read), as this
+    # runs for every saved tensor, twice on its way home.
     return (type(obj) is torch.Tensor and not obj.requires_grad and obj.layout == torch.strided
-            and not obj.is_quantized and obj.device.type != "meta")
+            and not obj.is_quantized and not obj.is_meta)
 
 
 class _Pickler(_CompactPickler):
@@ -133,12 +135,15 @@ def _pack_many(lists: list[list[torch.Tensor]]) -> list[tuple[list[Any], list[An
         specs: list[Any] = [None] * len(tensors)
         for index in _forward_storages(tensors, buffers, specs):
             tensor = tensors[index]
-            groups.setdefault((tensor.device, tensor.dtype), []).append((which, index, _flat(tensor)))
+            part = _flat(tensor) if tensor.is_complex() else tensor  # a conjugate's bits resolved first
+            groups.setdefault((tensor.device, tensor.dtype), []).append((which, index, part))
         results.append((buffers, specs))
     for (_, dtype), members in groups.items():
         for chunk in _chunks(members):
             parts = [part for _, _, part in chunk]
-            flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu()  # one kernel, one copy off the device
+            # One kernel and one copy off the device. ``_flatten_dense_tensors`` (PyTorch's own, as DDP's
+            # buckets use it) flattens and concatenates in C++: no Python call per tensor.
+            flat = (_flatten_dense_tensors(parts) if len(parts) > 1 else _flat(parts[0])).cpu()
             host = flat.view(torch.uint8).numpy() if flat.numel() else None
             size = flat.element_size()
             runs: dict[int, list[tuple[int, torch.Tensor]]] = {}  # one buffer per payload: its members here
@@ -176,19 +181,22 @@ def _forward_storages(tensors: list[torch.Tensor], buffers: list[Any], specs: li
     """Give tensors that can travel as offsets into their whole CPU storage a spec; return the others' indices."""
     by_storage: dict[int, list[int]] = {}
     rest: list[int] = []
-    for index, tensor in enumerate(tensors):
-        if tensor.device.type == "cpu" and tensor._base is not None and tensor.is_contiguous() \
-                and not tensor.is_complex() and not tensor.is_neg():  # a lazy negation is not in the bytes
+    for index, tensor in enumerate(tensors):  # cheap reads first: most tensors are not views of a CPU buffer
+        if tensor.is_cpu and tensor._base is not None:
             by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(index)
         else:
             rest.append(index)
     for members in by_storage.values():
         first = tensors[members[0]]
+        if len(members) < 2:
+            rest.extend(members)
+            continue
         storage = first.untyped_storage()
         size, dtype = storage.nbytes(), first.dtype
         covered = sum(tensors[i].numel() for i in members) * first.element_size()
-        if len(members) < 2 or size % first.element_size() or covered < FORWARD_COVERAGE * size \
-                or any(tensors[i].dtype != dtype for i in members):
+        if size % first.element_size() or covered < FORWARD_COVERAGE * size or dtype.is_complex \
+                or any(tensors[i].dtype != dtype or not tensors[i].is_contiguous()
+                       or tensors[i].is_neg() for i in members):  # a lazy negation is not in the bytes
             rest.extend(members)
             continue
         whole = torch.empty(0, dtype=torch.uint8).set_(storage)
@@ -232,16 +240,31 @@ def _views(buffers: list[tuple[Any, torch.dtype]], specs: list[Any]) -> list[tor
             if memoryview(buffer).readonly:
                 buffer = bytearray(buffer)
             base = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype)
-        offsets = [specs[i][1] for i in indices]
-        sizes = [specs[i][2] for i in indices]
-        if offsets == list(itertools.accumulate(sizes, initial=0))[:-1] and sum(sizes) == base.numel():
-            pieces = torch.split(base, sizes)  # packed in order: one call
-        else:
-            pieces = [base.narrow(0, offset, size) for offset, size in zip(offsets, sizes)]
-        for i, piece in zip(indices, pieces):
-            shape = specs[i][3]
-            tensors[i] = piece if len(shape) == 1 else piece.view(shape)
+        for run in _runs(indices, specs):
+            first = specs[run[0]]
+            offset, size, shape = first[1], first[2], first[3]
+            if len(run) == 1:
+                tensors[run[0]] = base.narrow(0, offset, size).view(shape)
+            else:  # consecutive tensors of one shape: one view, unbound (no Python call per tensor)
+                pieces = base.narrow(0, offset, size * len(run)).view(len(run), *shape).unbind(0)
+                for i, piece in zip(run, pieces):
+                    tensors[i] = piece
     return tensors
+
+
+def _runs(indices: list[int], specs: list[Any]) -> Iterator[list[int]]:
+    """``indices`` (one buffer's tensors) in runs of equal shape that lie back to back in the buffer."""
+    run: list[int] = []
+    end = None
+    for i in indices:
+        _, offset, size, shape = specs[i]
+        if run and (offset != end or shape != specs[run[0]][3]):
+            yield run
+            run = []
+        run.append(i)
+        end = offset + size
+    if run:
+        yield run
 
 
 class _Payload:

@@ -144,8 +144,8 @@ def test_many_payloads_share_one_copy_per_dtype_and_each_loads_as_its_own_dumps(
     values.insert(7, {"lock": threading.Lock()})
     values.insert(3, {"n": 3})  # no tensor at all
     cats = []
-    real_cat = torch.cat
-    monkeypatch.setattr(torch, "cat", lambda parts, *a, **k: cats.append(len(parts)) or real_cat(parts, *a, **k))
+    real_cat = payload._flatten_dense_tensors  # the concatenation (PyTorch's flatten-and-cat)
+    monkeypatch.setattr(payload, "_flatten_dense_tensors", lambda parts: cats.append(len(parts)) or real_cat(parts))
     results = payload.dumps_each(values)
     assert len(cats) == 3  # float32, int64, bfloat16: once each for the 20 payloads that carry tensors
     assert isinstance(results[8], TypeError) and pickle.loads(results[3]) == {"n": 3}
@@ -258,3 +258,17 @@ def test_nnsights_merge_reads_several_ranks_shipped_payloads_of_one_request():
     assert sorted(merged) == ["a", "b", "c", "n"]
     assert torch.equal(merged["a"], torch.ones(4)) and torch.equal(merged["b"], torch.zeros(2))
     assert torch.equal(merged["c"], torch.full((3,), 2.0)) and merged["n"] == 7
+
+
+def test_tensors_of_one_shape_back_to_back_load_as_separate_views_of_one_buffer():
+    """A value saved at every step (rows of one shape, packed in order) loads with one view per run of shapes."""
+    steps = [torch.randn(1, 8) for _ in range(5)] + [torch.randn(3, 8)] + [torch.randn(1, 8) for _ in range(2)]
+    value = {"steps": steps + [torch.randn(8), torch.tensor(1.5)], "pair": (steps[0], steps[0])}
+    loaded = pickle.loads(payload.dumps(value))
+    for got, want in zip(loaded["steps"], value["steps"]):
+        assert got.shape == want.shape and got.is_contiguous() and torch.equal(got, want)
+    assert loaded["pair"][0] is loaded["pair"][1]  # one object saved twice is one tensor
+    loaded["steps"][1].fill_(0)  # each is its own rows of the buffer
+    assert torch.equal(loaded["steps"][0], steps[0]) and torch.equal(loaded["steps"][2], steps[2])
+    assert payload._views([(bytearray(4 * 6), torch.float32)], [(0, 0, 2, (2,)), (0, 2, 2, (2,)), (0, 4, 2, (1, 2))]) \
+        and [list(r) for r in payload._runs([0, 1, 2], [(0, 0, 2, (2,)), (0, 2, 2, (2,)), (0, 4, 2, (1, 2))])] == [[0, 1], [2]]
