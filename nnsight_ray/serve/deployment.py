@@ -26,6 +26,7 @@ reports ready.
 # names, so FastAPI could no longer resolve string annotations such as
 # "Request" and would treat `request` as a query parameter (422).
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -164,11 +165,19 @@ class NNsightDeployment:
         from ..ray_vllm import RayVLLM
 
         if self.args.engine:
-            return RayVLLM.connect(self.args.engine)
-        model = RayVLLM(self.args.model, name=self.engine_name, **self.args.engine_options())
-        if self._closed.is_set():  # the replica stopped while the engine started
-            model.shutdown()
-            raise RuntimeError("replica stopped while its engine was starting")
+            model = RayVLLM.connect(self.args.engine)
+        else:
+            model = RayVLLM(self.args.model, name=self.engine_name, **self.args.engine_options())
+            if self._closed.is_set():  # the replica stopped while the engine started
+                model.shutdown()
+                raise RuntimeError("replica stopped while its engine was starting")
+        # What vLLM's own API server does once it is up: the startup heap (torch, vLLM, nnsight, Ray, the
+        # engine's client) goes to a generation the collector never scans again. A replica hands every
+        # request's saved values on; without this, when they pushed a full collection, it scanned the
+        # whole heap with the event loop stopped (~0.35 s on the 2-core machine, caller gc in bench_gpu.py).
+        from vllm.utils.gc_utils import freeze_gc_heap
+
+        freeze_gc_heap()
         return model
 
     async def _start(self) -> None:
@@ -276,7 +285,7 @@ class NNsightDeployment:
 
     async def health(self) -> dict[str, Any]:
         self._ready()
-        return {"status": "ok", "engine": self.engine_name}
+        return {"status": "ok", "engine": self.engine_name, "gc_frozen": gc.get_freeze_count()}
 
     async def generate(self, request: Request) -> Response:
         """Run a serialized trace; reply ``torch.save({"saves", "error"})`` (nnsight's wire format).
