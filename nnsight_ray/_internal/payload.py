@@ -207,7 +207,7 @@ def _forward_storages(tensors: list[torch.Tensor], buffers: list[Any], specs: li
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.is_complex():
+    if tensor.is_complex() or tensor.is_neg():  # lazy conjugation and negation are not in the bytes
         tensor = tensor.resolve_conj().resolve_neg()
     return tensor if tensor.dim() == 1 and tensor.is_contiguous() else tensor.reshape(-1).contiguous()
 
