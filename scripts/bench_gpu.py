@@ -384,7 +384,9 @@ class Bench:
         path = f"model.model.layers.{self.layer}"
         steps = {len(view[path]) for view in views}
         expect(steps == {self.args.tokens}, f"{steps} steps cached, expected {self.args.tokens}")
-        saved = sum(t.numel() * t.element_size() for view in views for out in view[path].output for t in out)
+        # ``.output`` is the list of visits, or the one visit itself when there was only one (nnsight's CacheView).
+        visits = [view[path].output if self.args.tokens > 1 else [view[path].output] for view in views]
+        saved = sum(t.numel() * t.element_size() for outs in visits for out in outs for t in out)
         return len(self.texts) * self.args.tokens, saved
 
     def run_nonblocking(self) -> tuple[int, int]:
