@@ -203,7 +203,9 @@ def _forward_storages(tensors: list[torch.Tensor], buffers: list[Any], specs: li
         for i in members:
             specs[i] = (len(buffers), tensors[i].storage_offset(), tensors[i].numel(), tuple(tensors[i].shape))
         buffers.append((pickle.PickleBuffer(whole.numpy()), dtype))
-    return rest
+    # In the payload's order: packed so, tensors of one shape saved one after another (a value at every
+    # step) lie back to back, and arrive as one view (``_runs``), here and wherever the buffer is forwarded.
+    return sorted(rest)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -273,3 +273,15 @@ def test_tensors_of_one_shape_back_to_back_load_as_separate_views_of_one_buffer(
     assert torch.equal(loaded["steps"][0], steps[0]) and torch.equal(loaded["steps"][2], steps[2])
     assert payload._views([(bytearray(4 * 6), torch.float32)], [(0, 0, 2, (2,)), (0, 2, 2, (2,)), (0, 4, 2, (1, 2))]) \
         and [list(r) for r in payload._runs([0, 1, 2], [(0, 0, 2, (2,)), (0, 2, 2, (2,)), (0, 4, 2, (1, 2))])] == [[0, 1], [2]]
+
+
+def test_tensors_are_packed_in_the_payload_order_views_of_other_buffers_or_not():
+    """A cache's (hidden, residual) per step on a CPU rank: a view of the step's batch, then a tensor of its own.
+    Packed in the payload's order they lie back to back, and arrive as one view per run of one shape."""
+    steps = [torch.randn(4, 8) for _ in range(3)]
+    tensors = [t for step in steps for t in (step[1:2], step[2:3].clone())]
+    _, specs = payload._pack(tensors)
+    assert [spec[1] for spec in specs] == [8 * i for i in range(6)]
+    assert [len(run) for run in payload._runs(list(range(6)), specs)] == [6]
+    loaded = pickle.loads(payload.dumps(tensors))
+    assert all(torch.equal(a, b) for a, b in zip(loaded, tensors))
