@@ -58,20 +58,26 @@ def stages(values: list) -> tuple[float, float, float]:
     return t1 - t0, t2 - t1, time.perf_counter() - t2
 
 
+def measure(fn, *args) -> list[float]:
+    """``fn(*args)``'s stage times (seconds) as ms, medians of 9 after a warm-up (and under cProfile once, with
+    ``--profile``); the heap frozen first, as the product's processes freeze theirs."""
+    gc.freeze()
+    fn(*args)
+    runs = [fn(*args) for _ in range(9)]
+    if "--profile" in sys.argv:
+        profiler = cProfile.Profile()
+        profiler.runcall(fn, *args)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+    return [round(1e3 * statistics.median(x), 1) for x in zip(*runs)]
+
+
 def main() -> None:
     shape = sys.argv[1]
     count = 64 if shape == "extract" else 256
     values = [{f"r{i}": {"saves": saves(shape), "error": None, "registered": {}, "sequences": {}}}
               for i in range(count)]
-    gc.freeze()
-    stages(values)
-    runs = [stages(values) for _ in range(9)]
-    ship, arrive, merge = (round(1e3 * statistics.median(x), 1) for x in zip(*runs))
+    ship, arrive, merge = measure(stages, values)
     print(f"{payload.__file__}: {shape} ship {ship} ms, arrive {arrive} ms, merge {merge} ms")
-    if "--profile" in sys.argv:
-        profiler = cProfile.Profile()
-        profiler.runcall(stages, values)
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
 
 
 if __name__ == "__main__":
