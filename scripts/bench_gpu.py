@@ -102,6 +102,11 @@ Workloads (``--prompts`` prompts x ``--tokens`` greedy tokens, ``ignore_eos``, n
   (``RemoteEngine.extract_async`` / ``extract_commit``), every prompt in flight;
   MB/s is what reached the files (under ``--shards-dir``, removed between runs).
   After each run, every process's resident memory is printed (flat = bounded).
+* ``gen-shards`` (RayVLLM): ``every-step``'s job as a dataset: the ``--prompts`` prompts x
+  ``--tokens`` greedy tokens, the ranks keeping the saved layer's row of every token the
+  model runs (each prompt token, then each decode step's: ``extract_async(generated=True)``)
+  and writing them as ``shards`` does; no block runs anywhere. Tokens/s are generated
+  tokens, against plain ``generate``.
 
 Prints one row per (engine, workload): median tokens/s, its ratio to
 ``vllm-defaults`` first, to ``vllm-eager``, RayVLLM's to LocalVLLM, and the
@@ -135,7 +140,8 @@ GRAPH_ENGINES = ("local-graphs", "ray-graphs", "local-taps", "ray-taps")
 # Plain vLLM, and plain vLLM with its step handed to a worker process as ours is (control rows: what the
 # hand-off between engine core and worker costs without nnsight): vLLM's multiprocessing and Ray executors.
 PLAIN = ("vllm-defaults", "vllm-eager", "vllm-mp", "vllm-mp-eager", "vllm-ray")
-WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "cache", "extract", "prefill", "shards")
+WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "cache", "extract", "prefill", "shards",
+             "gen-shards")
 
 
 def prompts(n: int) -> list[str]:
@@ -294,7 +300,7 @@ class Bench:
         elif self.engine in PLAIN:
             wanted = [w for w in wanted if w in ("generate", "extract", "prefill")]  # their extract is the prefill
         elif not self.engine.startswith("ray"):
-            wanted = [w for w in wanted if w not in ("nonblocking", "shards")]
+            wanted = [w for w in wanted if w not in ("nonblocking", "shards", "gen-shards")]
         skipped = {pair.split(":", 1)[1] for pair in self.args.skip.split(",") if pair.startswith(self.engine + ":")}
         return [w for w in wanted if w not in skipped]
 
@@ -456,26 +462,39 @@ class Bench:
         return Path(self.args.shards_dir or tempfile.gettempdir()) / f"bench-shards-{os.getpid()}"
 
     def run_shards(self) -> tuple[int, int]:
+        return self._shards(self.extract_texts, [f"model.layers.{i}.output" for i in self.layers], 1)
+
+    def before_gen_shards(self) -> None:
+        self.before_shards()
+
+    def run_gen_shards(self) -> tuple[int, int]:
+        tokens = self.args.tokens
+        _, saved = self._shards(self.texts, [f"model.layers.{self.layer}.output"], tokens)
+        return len(self.texts) * tokens, saved
+
+    def _shards(self, texts: list[str], locations: list[str], tokens: int) -> tuple[int, int]:
+        """``texts`` extracted at ``locations`` in parts of ``--shard-prompts``; ``tokens`` > 1: every
+        generated token's row too. Returns (rows written, bytes written), checked against the outputs."""
         import ray
 
-        engine, texts, size = self.model.vllm_entrypoint, self.extract_texts, self.args.shard_prompts
-        locations = [f"model.layers.{i}.output" for i in self.layers]
+        engine, size = self.model.vllm_entrypoint, self.args.shard_prompts
+        generated = {"generated": True, "max_tokens": tokens, "ignore_eos": True} if tokens > 1 else {}
         out = str(self.shards_dir())
         pending = {}
         for start in range(0, len(texts), size):
             part = f"shard-{start // size:05d}"
             ref = engine.extract_async(texts[start:start + size], part, out, locations,
-                                       indices=range(start, min(start + size, len(texts))))
+                                       indices=range(start, min(start + size, len(texts))), **generated)
             pending[ref] = part
-        commits, prompt_tokens = [], 0
+        commits, ran = [], 0
         while pending:  # commit each part as its outputs come back, as the batch runner does
             ready, _ = ray.wait(list(pending), num_returns=1)
-            for ref in ready:
-                prompt_tokens += sum(len(o.prompt_token_ids) for o in ray.get(ref))
+            for ref in ready:  # every token the model ran: the prompt, and each generated one but the last
+                ran += sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in ray.get(ref))
                 commits += engine.extract_commit(pending.pop(ref))
         written = [w for w in ray.get(commits) if w is not None]
         rows, saved = sum(w["rows"] for w in written), sum(w["bytes"] for w in written)
-        expect(rows == prompt_tokens, f"{rows} rows written for {prompt_tokens} prompt tokens")
+        expect(rows == ran, f"{rows} rows written for {ran} tokens run")
         expect(saved >= rows * len(locations) * self.hidden * 2, f"{saved} bytes for {rows} rows")
         print(f"[{self.engine}] shards: {len(written)} files, {saved / 1e6:,.0f} MB; RSS MB "
               + ", ".join(f"{name} {mb:,.0f}" for name, mb in resident().items()), flush=True)

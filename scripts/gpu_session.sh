@@ -7,8 +7,9 @@
 # 30 s idle, and a fresh one costs the staging again. Seconds are what each took last time on the H200.
 #   setup        the staged stack installed (once per host, ~60 s)
 #   eager        issue 22's rows, interleaved with their floor (~250-340 s)
-#   graphs       issue 23's rows: every-step (tracer.all()), cache (tracer.cache()), trace, against plain
-#                vLLM with its defaults, interleaved (~330 s)
+#   graphs       issue 23's rows: every-step (tracer.all()), cache (tracer.cache()), gen-shards (the same
+#                layer at every step as a dataset: extract_async(generated=True), no block), trace, against
+#                plain vLLM with its defaults, interleaved (~400 s)
 #   tests        tests/gpu/test_gpu.py + test_graphs.py (~305-334 s)
 #   entrypoints  tests/gpu/test_gpu_entrypoints.py: ray job submit, Serve over HTTP (~280 s)
 set -uo pipefail
@@ -26,7 +27,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0  # else a fresh host JIT-compiles FlashInfe
 bench=(python3 scripts/bench_gpu.py --model-dir /root/m --json "$OUT/$step.json")
 case "$step" in
   eager) cmd=("${bench[@]}" --engines vllm-eager,ray --workloads generate,registered,trace --repeats 7 --interleave) ;;
-  graphs) cmd=("${bench[@]}" --engines vllm-defaults,ray-taps --workloads every-step,cache,trace --repeats 5 --interleave) ;;
+  graphs) cmd=("${bench[@]}" --engines vllm-defaults,ray-taps --workloads every-step,cache,gen-shards,trace --repeats 5 --interleave) ;;
   tests) cmd=(python3 -m pytest tests/gpu/test_gpu.py tests/gpu/test_graphs.py -x -rA -p no:cacheprovider) ;;
   entrypoints) cmd=(python3 -m pytest tests/gpu/test_gpu_entrypoints.py -x -rA -p no:cacheprovider) ;;
   *) echo "unknown step $step" >&2; exit 2 ;;

@@ -16,7 +16,10 @@ On the rank:
    that ask for extraction, their rows in the step's flattened batch are
    noted (prefill only: chunked prefill and prefix caching are off on an
    nnsight engine, so a new request's whole prompt is in its first step).
-   Steps with none cost a scan of the step's new requests.
+   Steps with none cost a scan of the step's new requests. A request that asks
+   for its generated tokens too (``generated``) has its row noted at every
+   step it runs after that, its token read from the forward's own input ids;
+   those rows are kept per step and sorted at the commit (``extract_rows``).
 2. A PyTorch forward hook on each asked module (installed once, inert when no
    step is capturing) takes those rows of the module's output as one copy
    (a span's view copied when the step's captured rows are contiguous, as in a
@@ -55,6 +58,7 @@ from typing import Any
 
 import torch
 
+from .extract_rows import DecodeBlock, part_columns
 from .host_memory import (RING_MB, STAGING, STAGINGS, Staging, _mapped, host_buffer, release_freed_memory,
                           release_pinned_cache)
 from .safetensors_io import FORMAT, write_safetensors
@@ -91,9 +95,14 @@ def memory() -> dict[str, Any]:
     return found
 
 
-def request_args(part: str, index: int, directory: str, locations: list[str], dtype: str | None) -> dict[str, Any]:
-    """What one request puts under ``extra_args[KEY]`` (see ``RemoteEngine.extract_async``)."""
-    return {KEY: {"part": part, "index": int(index), "dir": directory, "locations": list(locations), "dtype": dtype}}
+def request_args(part: str, index: int, directory: str, locations: list[str], dtype: str | None,
+                 generated: bool = False) -> dict[str, Any]:
+    """What one request puts under ``extra_args[KEY]`` (see ``RemoteEngine.extract_async``). ``generated``:
+    the rows of the tokens it generates too (every decode step's row), not only its prompt's."""
+    spec = {"part": part, "index": int(index), "dir": directory, "locations": list(locations), "dtype": dtype}
+    if generated:
+        spec["generated"] = True
+    return {KEY: spec}
 
 
 def capture(output: Any, rows: "torch.Tensor | range", dtype: torch.dtype | None = None,
@@ -145,9 +154,13 @@ class StepCapture:
     """One step's extraction: which rows, and the host copies of each location's rows."""
 
     rows: "torch.Tensor | range"  # flattened-batch rows of every captured token (``row_index``)
-    requests: list[tuple[str, int, int, list[int], dict[str, Any]]]  # (request id, first row, tokens, ids, spec)
+    # (request id, first row, tokens, ids, spec, position of its first token); ids None: a decode step's
+    # rows, whose tokens are read from the forward's own input ids (``ids``)
+    requests: list[tuple[str, int, int, list[int] | None, dict[str, Any], int]]
     dtype: torch.dtype | None
     values: dict[str, torch.Tensor] = field(default_factory=dict)
+    wants_ids: bool = False  # a decode step's rows are in it: their tokens are read from the forward's input
+    ids: torch.Tensor | None = None  # then: the captured rows' input token ids
     event: Any = None
     step: int = 0  # this rank's step number: the staging ring's spans are freed by it
     slabs: list = field(default_factory=list)  # the pool's slabs holding ``values`` (staging "pool")
@@ -159,7 +172,9 @@ class Part:
 
     directory: str
     created: float
-    entries: list[tuple[int, list[int], dict[str, torch.Tensor]]] = field(default_factory=list)
+    # (prompt index, position of the first row, token ids, {location: rows}): a prompt's rows
+    entries: list[tuple[int, int, list[int], dict[str, torch.Tensor]]] = field(default_factory=list)
+    blocks: list[DecodeBlock] = field(default_factory=list)  # generated tokens' rows, one block per step
     slabs: list = field(default_factory=list)  # pool slabs its rows are in: released when it is written or dropped
 
     def done(self) -> None:
@@ -290,14 +305,29 @@ class Writer:
         now = time.monotonic()
         try:
             touched: dict[int, Part] = {}
-            for _, first, count, ids, spec in capture.requests:
+            decoded: dict[int, tuple[Part, dict, list[int], list[int], list[int]]] = {}
+            for _, first, count, ids, spec, position in capture.requests:
                 part = self.parts.get(spec["part"])
                 if part is None:
                     part = self.parts[spec["part"]] = Part(spec["dir"], now)
+                touched[id(part)] = part
+                if ids is None:  # generated tokens' rows: gathered per part below, sorted at the commit
+                    _, _, rows, indices, positions = decoded.setdefault(id(part), (part, spec, [], [], []))
+                    rows.extend(range(first, first + count))
+                    indices.extend([spec["index"]] * count)
+                    positions.extend(range(position, position + count))
+                    continue
                 values = {loc: v.narrow(0, first, count) for loc, v in capture.values.items()
                           if loc in spec["locations"]}
-                part.entries.append((spec["index"], ids, values))
-                touched[id(part)] = part
+                part.entries.append((spec["index"], position, ids, values))
+            for part, spec, rows, indices, positions in decoded.values():
+                first, span = rows[0], rows[-1] - rows[0] + 1 == len(rows)  # rows ascend: one span, or an index
+                taken = torch.tensor(rows, dtype=torch.int64) if not span else None
+                pick = (lambda t: t[first:first + len(rows)]) if span else (lambda t: t.index_select(0, taken))
+                part.blocks.append(DecodeBlock(
+                    torch.tensor(indices, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                    pick(capture.ids) if capture.ids is not None else torch.zeros(len(rows), dtype=torch.int64),
+                    {loc: pick(v) for loc, v in capture.values.items() if loc in spec["locations"]}))
             for slab in capture.slabs:  # held by every part this step filed rows under
                 slab.hold(len(touched))
             for part in touched.values():
@@ -315,18 +345,7 @@ class Writer:
             return None
         if part is None:
             return {"file": None, "prompts": {}, "rows": 0, "bytes": 0, "stage": self.stage}
-        entries: dict[int, tuple] = {}
-        for entry in sorted(part.entries, key=lambda e: e[0]):
-            entries.setdefault(entry[0], entry)  # a prompt captured twice (a preempted request's recompute) once
-        ordered = list(entries.values())
-        locations = sorted({loc for _, _, values in ordered for loc in values})
-        counts = [len(ids) for _, ids, _ in ordered]
-        columns: dict[str, list[torch.Tensor]] = {loc: [values[loc] for _, _, values in ordered] for loc in locations}
-        columns["token_ids"] = [torch.tensor([t for _, ids, _ in ordered for t in ids], dtype=torch.int64)]
-        columns["prompt_index"] = [torch.repeat_interleave(torch.tensor([i for i, _, _ in ordered], dtype=torch.int64),
-                                                           torch.tensor(counts, dtype=torch.int64))]
-        columns["position"] = [torch.cat([torch.arange(n, dtype=torch.int64) for n in counts])
-                               if counts else torch.zeros(0, dtype=torch.int64)]
+        columns, order, counts, locations = part_columns(part.entries, part.blocks)
         suffix = f".stage{self.stage}" if self.stages > 1 else ""
         path = os.path.join(part.directory, f"{name}{suffix}.safetensors")
         os.makedirs(part.directory, exist_ok=True)
@@ -334,7 +353,7 @@ class Writer:
         write_safetensors(temporary, columns, {"format": FORMAT, "stage": str(self.stage), "stages": str(self.stages)},
                           fsync=fsync)
         os.replace(temporary, path)
-        return {"file": path, "prompts": {index: n for (index, _, _), n in zip(ordered, counts)},
+        return {"file": path, "prompts": dict(zip(order, counts)),
                 "rows": sum(counts), "bytes": os.path.getsize(path), "stage": self.stage, "locations": locations}
 
     # -- the callers ----------------------------------------------------------
@@ -399,58 +418,78 @@ class ExtractRunnerMixin:
         self._extract_hooks: dict[str, Any] = {}
         self._extract_step: StepCapture | None = None
         self._extract_seen: set[str] = set()
+        self._extract_generating: dict[str, dict[str, Any]] = {}  # request id -> its spec, while it generates
         self._extract_stream: Any = None
         self._extract_steps = 0  # steps captured so far (``StepCapture.step``)
 
     def _update_states(self, scheduler_output: Any) -> Any:
         result = super()._update_states(scheduler_output)  # type: ignore[misc]
         self._extract_step = None
+        if self._extract_seen:
+            finished = getattr(scheduler_output, "finished_req_ids", None) or ()
+            self._extract_seen.difference_update(finished)
+            for rid in finished:
+                self._extract_generating.pop(rid, None)
+        tokens = scheduler_output.num_scheduled_tokens
+        # Requests whose generated tokens are recorded too, running in this step (a decode step's row each).
+        generating = self._extract_generating
+        decoding = {rid for rid in generating if rid in tokens} if generating else set()
         asking = {}
         for data in scheduler_output.scheduled_new_reqs:
             params = data.sampling_params
             spec = (params.extra_args or {}).get(KEY) if params is not None else None
-            if spec is not None and data.req_id not in self._extract_seen:
+            if spec is None or data.req_id in self._extract_seen:
+                continue
+            self._extract_seen.add(data.req_id)
+            if data.num_computed_tokens == 0 and tokens.get(data.req_id) == len(data.prompt_token_ids or ()):
                 asking[data.req_id] = (data, spec)
+                if spec.get("generated"):  # on every rank alike: they decide graph steps alike
+                    generating[data.req_id] = spec
+            else:
+                logger.warning("request %s: prompt not whole in one step (%s of %d tokens from %d); not extracted",
+                               data.req_id, tokens.get(data.req_id), len(data.prompt_token_ids or ()),
+                               data.num_computed_tokens)
         # Every rank (not only the writer): a graph engine runs this step eagerly for it (``graphs``).
-        self.nnsight_ray_extract_asked = bool(asking)
-        if self._extract_seen:
-            finished = getattr(scheduler_output, "finished_req_ids", None) or ()
-            self._extract_seen.difference_update(finished)
-        if asking and self._extract_writes:
-            self._extract_plan(scheduler_output, asking)
+        self.nnsight_ray_extract_asked = bool(asking) or bool(decoding)
+        if (asking or decoding) and self._extract_writes:
+            self._extract_plan(scheduler_output, asking, decoding)
         return result
 
-    def _extract_plan(self, scheduler_output: Any, asking: dict[str, tuple[Any, dict]]) -> None:
+    def _extract_plan(self, scheduler_output: Any, asking: dict[str, tuple[Any, dict]], decoding: set[str]) -> None:
         tokens = scheduler_output.num_scheduled_tokens
         spans: list[tuple[int, int]] = []
         captured = 0
         requests = []
         start = 0
         dtype = None
+        states = getattr(self, "requests", {})  # vLLM's per-request state: tokens computed before this step
         for rid in self.input_batch.req_ids:  # the forward's row order (see nnsight's Requests.scope)
             count = tokens.get(rid)
             if count is None:
                 continue
             if rid in asking:
                 data, spec = asking[rid]
-                ids = list(data.prompt_token_ids or [])
-                if data.num_computed_tokens == 0 and count == len(ids):
-                    spans.append((start, count))
-                    requests.append((rid, captured, count, ids, spec))
-                    captured += count
-                    dtype = spec.get("dtype") or dtype
-                    self._extract_seen.add(rid)
-                    for location in spec["locations"]:
-                        self._extract_hook(location)
-                else:
-                    logger.warning("request %s: prompt not whole in one step (%d of %d tokens from %d); "
-                                   "not extracted", rid, count, len(ids), data.num_computed_tokens)
+                spans.append((start, count))
+                requests.append((rid, captured, count, list(data.prompt_token_ids or []), spec, 0))
+                captured += count
+                dtype = spec.get("dtype") or dtype
+                for location in spec["locations"]:
+                    self._extract_hook(location)
+            elif rid in decoding and rid in states:
+                spec = self._extract_generating[rid]
+                # Its tokens' ids are the forward's own input ids (the hook reads them): a decode step's
+                # token is the one sampled last step, which with async scheduling only the device holds.
+                spans.append((start, count))
+                requests.append((rid, captured, count, None, spec, int(states[rid].num_computed_tokens)))
+                captured += count
+                dtype = spec.get("dtype") or dtype
             start += count
         if requests:
             device = self.device if hasattr(self, "device") else "cpu"
             self._extract_steps += 1
             self._extract_step = StepCapture(row_index(spans, device), requests,
-                                             DTYPES.get(dtype) if dtype else None, step=self._extract_steps)
+                                             DTYPES.get(dtype) if dtype else None, step=self._extract_steps,
+                                             wants_ids=any(r[3] is None for r in requests))
             staging = writer().host.mode
             if torch.device(device).type == "cuda" and staging in ("ring", "pool"):
                 largest = self._extract_largest(self._extract_step.dtype)
@@ -493,6 +532,9 @@ class ExtractRunnerMixin:
             device_side = residual_parts(output)[0].is_cuda
             into = host_buffer if not device_side and writer().host.mode == "ring" else None
             taken = capture(output, step.rows, step.dtype, into)
+            ids = None
+            if step.wants_ids and step.ids is None:  # once per step: the decode rows' tokens
+                ids = step.ids = self._extract_input_ids(step.rows)
             if device_side:
                 # On a side stream: the copy to the host overlaps the next layers' kernels.
                 if self._extract_stream is None:
@@ -501,11 +543,22 @@ class ExtractRunnerMixin:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     host = writer().to_host(taken, step)
+                    if ids is not None:
+                        step.ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+                        step.ids.copy_(ids, non_blocking=True)
+                        ids.record_stream(side)
                 taken.record_stream(side)
                 taken = host
             step.values[location] = taken
 
         self._extract_hooks[location] = module.register_forward_hook(hook)
+
+    def _extract_input_ids(self, rows: "torch.Tensor | range") -> torch.Tensor:
+        """The step's input token ids at ``rows``, as a copy (vLLM's ``input_ids`` buffer is refilled next step)."""
+        buffer = self.input_ids.gpu  # type: ignore[attr-defined]
+        if isinstance(rows, range):
+            return buffer[rows.start:rows.stop].clone()
+        return buffer.index_select(0, rows)
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -10,7 +10,7 @@ The schema (agreed with ``cluster_configs/``; every section but ``model``,
     saves:        [{location, tokens}]        # or
     intervention: path/to/file.py             # defines intervene(model, tracer) -> dict
     sampling:     {max_tokens, temperature}
-    output:       {dir, shard_size, format, dtype, fsync}   # format: parquet | activations
+    output:       {dir, shard_size, format, dtype, fsync, generated}   # format: parquet | activations
     runner:       {max_in_flight, prompts_per_trace, shard_retries, engine_restarts,
                    request_timeout_s, progress_interval_s}   # optional tuning
 
@@ -185,6 +185,10 @@ class OutputConfig(_Section):
         False, description="activations only: flush each file to disk before it counts (survives a machine crash; "
         "a killed run keeps whole files either way, and resume redoes any file cut short)."
     )
+    generated: bool = Field(
+        False, description="activations only: every generated token's row too (greedy, sampling.max_tokens: each "
+        "decode step's row at its position after the prompt; the last token is sampled, never run)."
+    )
 
 
 class RunnerConfig(_Section):
@@ -251,8 +255,11 @@ class BatchConfig(_Section):
                 raise ValueError(f"runner.max_in_flight ({self.runner.max_in_flight}) is below output.shard_size "
                                  f"({self.output.shard_size}): with output.format=activations a shard's prompts "
                                  "are in flight together")
-        elif self.output.dtype != "auto" or self.output.fsync:
-            raise ValueError("output.dtype and output.fsync apply to output.format=activations "
+            if self.output.generated and self.sampling.max_tokens < 2:
+                raise ValueError("output.generated keeps the rows of generated tokens, and with sampling.max_tokens "
+                                 f"{self.sampling.max_tokens} none is run: raise sampling.max_tokens")
+        elif self.output.dtype != "auto" or self.output.fsync or self.output.generated:
+            raise ValueError("output.dtype, output.fsync and output.generated apply to output.format=activations "
                              "(parquet stores float32 and always syncs)")
         return self
 

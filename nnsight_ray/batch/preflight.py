@@ -77,6 +77,7 @@ def prepare(config: BatchConfig, config_file: str | None = None, resolve: bool =
         "sampling": config.sampling.model_dump(),
         "shard_size": config.output.shard_size,
         **({"format": "activations", "dtype": config.output.dtype} if config.activations else {}),
+        **({"generated": True} if config.output.generated else {}),  # absent otherwise: older runs still resume
     }
     run_dir = RunDir(_abs(config.output.dir), fingerprint, activations=config.activations)
     previous = run_dir.check_compatible()

@@ -226,3 +226,27 @@ def test_extraction_files_match_transformers(rayvllm, hf, tmp_path, staging):
         assert data["token_ids"][rows].tolist() == hf.tokenizer.encode(prompt)
         for i, location in enumerate(locations):
             assert_close(data[location][rows], want["layers"][i], what=f"extracted layer {i}, prompt {index}")
+
+
+def test_extraction_of_generated_tokens_matches_transformers(rayvllm, hf, tmp_path):
+    """``generated=True`` on CUDA: each decode step's row too, its token read from the forward's input ids
+    on the device (async scheduling keeps the last sampled token there), against transformers over the
+    prompt and the generated tokens."""
+    from safetensors.torch import load_file
+
+    locations = [f"model.layers.{i}.output" for i in range(LAYERS)]
+    engine = rayvllm.vllm_entrypoint
+    outputs = ray.get(engine.extract_async(PROMPTS, "gpu-gen", str(tmp_path), locations, max_tokens=6,
+                                           generated=True, ignore_eos=True))
+    (written,) = [w for w in ray.get(engine.extract_commit("gpu-gen")) if w is not None]
+    (held,) = engine.collective_rpc("nnsight_ray_extract_memory")
+    assert held["parts"] == 0 and held["host_mb"] == 0, held
+    data = load_file(written["file"])
+    for index, output in enumerate(outputs):
+        sequence = list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
+        rows = data["prompt_index"] == index
+        assert data["token_ids"][rows].tolist() == sequence
+        assert data["position"][rows].tolist() == list(range(len(sequence)))
+        want = hf.run_ids(sequence)
+        for i, location in enumerate(locations):
+            assert_close(data[location][rows], want["layers"][i], what=f"generated rows, layer {i}, prompt {index}")

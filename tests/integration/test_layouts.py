@@ -260,6 +260,38 @@ def test_extraction_files_equal_single_device(engine, reference, tmp_path):
 
 
 @ray_layouts
+def test_extraction_of_generated_tokens_equals_a_prefill_of_the_whole_sequence(engine, local_llama, tmp_path):
+    """``generated=True``: each decode step's row too, at its position, with the token the step ran,
+    equal to one prefill of prompt + generated tokens on the single-device engine; stages' rows aligned."""
+    from safetensors.numpy import load_file
+
+    name, model = engine
+    locations = [f"model.layers.{i}.output" for i in range(N_LAYERS)]
+    outputs = ray.get(model.vllm_entrypoint.extract_async(PROMPTS, "part-g", str(tmp_path), locations, max_tokens=4,
+                                                          generated=True, ignore_eos=True))
+    written = [w for w in ray.get(model.vllm_entrypoint.extract_commit("part-g")) if w is not None]
+    stages = [load_file(str(f)) for f in sorted(tmp_path.glob("part-g*.safetensors"))]
+    assert len(stages) == len(written) == LAYOUTS[name].get("pipeline_parallel_size", 1)
+    for stage in stages[1:]:
+        for key in ("token_ids", "prompt_index", "position"):
+            assert (stage[key] == stages[0][key]).all()
+    data = {k: v for stage in stages for k, v in stage.items()}
+    for index, output in enumerate(outputs):
+        generated = list(output.outputs[0].token_ids)
+        assert len(generated) == 4
+        sequence = list(output.prompt_token_ids) + generated[:-1]  # the last token is sampled, never run
+        rows = data["prompt_index"] == index
+        assert data["token_ids"][rows].tolist() == sequence
+        assert data["position"][rows].tolist() == list(range(len(sequence)))
+        assert written[0]["prompts"][index] == len(sequence)
+        want = residual_trace(local_llama, {"prompt_token_ids": sequence}, max_tokens=1)
+        for layer, location in enumerate(locations):
+            assert_close(torch.from_numpy(data[location][rows]), want["layers"][layer])
+    held = model.vllm_entrypoint.collective_rpc("nnsight_ray_extract_memory")
+    assert all(h["parts"] == 0 and h["writing"] == 0 and h["host_mb"] == 0 for h in held), held
+
+
+@ray_layouts
 def test_registered_block_reads_first_and_last_stage(engine, local_llama):
     _, model = engine
     prompts = ["Hello", "World!"]

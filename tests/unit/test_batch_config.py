@@ -121,11 +121,13 @@ ACTIVATION_SAVES = [{"location": "model.layers.1.output", "tokens": "all"}]
         ({"saves": None, "intervention": "x.py"}, "an `intervention` file needs output.format=parquet"),
         ({"saves": ACTIVATION_SAVES, "runner": {"max_in_flight": 2, "prompts_per_trace": 1}},
          "below output.shard_size"),
+        ({"saves": ACTIVATION_SAVES, "output": {"generated": True}, "sampling": {"max_tokens": 1}},
+         "raise sampling.max_tokens"),
     ],
 )
 def test_activations_refuse_what_they_cannot_write(tmp_path, sections, needle):
     data = {**minimal(tmp_path), **sections}
-    data["output"] = {**data["output"], "format": "activations"}
+    data["output"] = {**minimal(tmp_path)["output"], **data["output"], "format": "activations"}
     with pytest.raises(BatchConfigError) as error:
         validate(data)
     assert needle in str(error.value)
@@ -141,8 +143,11 @@ def test_activations_defaults_keep_a_gpu_engine_busy(tmp_path):
     assert validate(data).max_in_flight() == 100  # as set
     plain = validate(minimal(tmp_path))
     assert not plain.activations and plain.max_in_flight() == 32
-    with pytest.raises(BatchConfigError, match="output.dtype and output.fsync apply to output.format=activations"):
-        validate({**minimal(tmp_path), "output": {"dir": str(tmp_path / "o"), "dtype": "float16"}})
+    for setting in ({"dtype": "float16"}, {"generated": True}):
+        with pytest.raises(BatchConfigError, match="output.generated apply to output.format=activations"):
+            validate({**minimal(tmp_path), "output": {"dir": str(tmp_path / "o"), **setting}})
+    data.update(sampling={"max_tokens": 8}, output={**data["output"], "generated": True})
+    assert validate(data).output.generated
 
 
 def test_activation_part_names():

@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from nnsight_ray._internal import extract, host_memory
+from nnsight_ray._internal import extract, extract_rows, host_memory
 
 
 def test_an_idle_writer_returns_pinned_memory_after_the_rows_are_freed(tmp_path, monkeypatch):
@@ -21,7 +21,7 @@ def test_an_idle_writer_returns_pinned_memory_after_the_rows_are_freed(tmp_path,
     writer = extract.Writer(0, 1, True)
     writer.idle_after_s = 0  # at once
     spec = {"part": "p0", "index": 0, "dir": str(tmp_path), "locations": ["model.layers.0.output"]}
-    step = extract.StepCapture(torch.arange(6), [("r0", 0, 6, list(range(6)), spec)], None,
+    step = extract.StepCapture(torch.arange(6), [("r0", 0, 6, list(range(6)), spec, 0)], None,
                                values={"model.layers.0.output": rows})
     del rows
     writer.submit("capture", step)
@@ -39,7 +39,7 @@ def test_a_writer_still_holding_parts_keeps_its_pinned_cache(tmp_path, monkeypat
     writer.idle_after_s = 0
     for part in ("a", "b"):
         spec = {"part": part, "index": 0, "dir": str(tmp_path), "locations": ["x.output"]}
-        writer.submit("capture", extract.StepCapture(torch.arange(2), [("r", 0, 2, [1, 2], spec)], None,
+        writer.submit("capture", extract.StepCapture(torch.arange(2), [("r", 0, 2, [1, 2], spec, 0)], None,
                                                      values={"x.output": torch.ones(2, 3)}))
     writer.submit("commit", ("a", False))
     assert releases == []  # part b is still held
@@ -49,7 +49,7 @@ def test_a_writer_still_holding_parts_keeps_its_pinned_cache(tmp_path, monkeypat
 
 def _capture(writer, part, tmp_path):
     spec = {"part": part, "index": 0, "dir": str(tmp_path), "locations": ["x.output"]}
-    writer.submit("capture", extract.StepCapture(torch.arange(2), [("r", 0, 2, [1, 2], spec)], None,
+    writer.submit("capture", extract.StepCapture(torch.arange(2), [("r", 0, 2, [1, 2], spec, 0)], None,
                                                  values={"x.output": torch.ones(2, 3)}))
 
 
@@ -177,7 +177,7 @@ def test_the_writer_copies_a_step_out_of_the_ring_frees_it_and_writes_the_rows(t
     staged.copy_(want)
     spec = {"part": "p", "index": 0, "dir": str(tmp_path), "locations": ["m.output"]}
     spec2 = dict(spec, index=1)
-    step = extract.StepCapture(range(0, 40), [("a", 0, 25, list(range(25)), spec), ("b", 25, 15, list(range(15)), spec2)],
+    step = extract.StepCapture(range(0, 40), [("a", 0, 25, list(range(25)), spec, 0), ("b", 25, 15, list(range(15)), spec2, 0)],
                                None, values={"m.output": staged}, step=7)
     del staged
     writer.submit("capture", step)
@@ -212,8 +212,8 @@ def test_the_pool_lends_a_slab_per_location_and_takes_it_back_when_every_part_ho
     specs = [{"part": part, "index": i, "dir": str(tmp_path), "locations": ["m.output", "n.output"]}
              for i, part in enumerate(["a", "b", "c"])]
     want = {loc: torch.randn(30, 16) for loc in ("m.output", "n.output")}
-    step = extract.StepCapture(range(0, 30), [("r0", 0, 10, list(range(10)), specs[0]),
-                                              ("r1", 10, 20, list(range(20)), specs[1])], None, step=1)
+    step = extract.StepCapture(range(0, 30), [("r0", 0, 10, list(range(10)), specs[0], 0),
+                                              ("r1", 10, 20, list(range(20)), specs[1], 0)], None, step=1)
     for loc, rows in want.items():
         step.values[loc] = writer.to_host(rows, step)
     assert len(step.slabs) == 2 and writer.host.slabs.lent() == 2
@@ -228,7 +228,7 @@ def test_the_pool_lends_a_slab_per_location_and_takes_it_back_when_every_part_ho
         data = load_file(str(tmp_path / f"{part}.safetensors"))
         for loc, rows in want.items():
             assert torch.equal(data[loc], rows[first:first + count])
-    other = extract.StepCapture(range(0, 5), [("r2", 0, 5, list(range(5)), specs[2])], None, step=2)
+    other = extract.StepCapture(range(0, 5), [("r2", 0, 5, list(range(5)), specs[2], 0)], None, step=2)
     other.values["m.output"] = writer.to_host(torch.randn(5, 16), other)
     writer.submit("capture", other)
     del other
@@ -254,11 +254,11 @@ def test_a_full_pool_waits_while_files_are_written_and_else_stages_in_a_host_buf
 
     writer = _pool_writer(monkeypatch, slabs=1)
     spec = {"part": "p", "index": 0, "dir": str(tmp_path), "locations": ["m.output"]}
-    first = extract.StepCapture(range(0, 4), [("r0", 0, 4, list(range(4)), spec)], None, step=1)
+    first = extract.StepCapture(range(0, 4), [("r0", 0, 4, list(range(4)), spec, 0)], None, step=1)
     first.values["m.output"] = writer.to_host(torch.ones(4, 16), first)
     writer.submit("capture", first)
     rows = torch.randn(6, 16)
-    second = extract.StepCapture(range(0, 6), [("r1", 0, 6, list(range(6)), dict(spec, index=1))], None, step=2)
+    second = extract.StepCapture(range(0, 6), [("r1", 0, 6, list(range(6)), dict(spec, index=1), 0)], None, step=2)
     second.values["m.output"] = writer.to_host(rows, second)
     assert not second.slabs and writer.host.overflows == 1 and extract.memory()["host_mb"] > 0
     writer.submit("capture", second)
@@ -301,3 +301,49 @@ def test_the_staging_changes_only_while_the_writer_holds_nothing(tmp_path, monke
         extract.set_staging("pool")
     writer.host.ring.give(1)
     assert extract.set_staging("pool") == "pool" and writer.host.ring is None
+
+
+def test_generated_rows_sort_by_prompt_then_position_each_position_once():
+    """Generated tokens' rows arrive one block per step; a recompute after a preemption runs a prompt and its
+    generated tokens again in one step: each position is kept once, from the first step that ran it, and a
+    prompt's own positions are left to its prompt entry."""
+    def block(rows, fill):  # rows: (prompt index, position, token)
+        index, position, ids = (torch.tensor(c, dtype=torch.int64) for c in zip(*rows))
+        return extract_rows.DecodeBlock(index, position, ids, {"m": torch.full((len(rows), 2), float(fill))})
+
+    got = extract_rows.generated_rows([
+        block([(1, 3, 13), (0, 3, 3)], 1),
+        block([(1, 4, 14), (0, 4, 4)], 2),
+        block([(0, 0, 0), (0, 1, 1), (0, 2, 2), (0, 3, 3), (0, 4, 4), (0, 5, 5)], 3),  # 0's recompute: 5 is new
+        block([(0, 5, 5), (0, 6, 6), (1, 5, 15)], 4),  # 5 again: dropped
+    ], prompt_lengths={0: 3, 1: 3})
+    assert got["index"].tolist() == [0, 0, 0, 0, 1, 1, 1]
+    assert got["position"].tolist() == [3, 4, 5, 6, 3, 4, 5]
+    assert got["token_ids"].tolist() == [3, 4, 5, 6, 13, 14, 15]
+    assert got["m"][:, 0].tolist() == [1, 2, 3, 4, 1, 2, 4]
+    assert extract_rows.generated_rows([], {}) is None
+
+
+def test_decode_rows_take_their_tokens_from_the_step_and_are_written_at_their_positions(tmp_path, monkeypatch):
+    """``generated``: a prompt's step, then decode steps whose tokens are the forward's own input ids."""
+    from safetensors.torch import load_file
+
+    writer = extract.Writer(0, 1, True)
+    monkeypatch.setattr(extract, "_writer", writer)
+    spec = {"part": "g", "index": 4, "dir": str(tmp_path), "locations": ["m.output"], "generated": True}
+    other = dict(spec, index=2)
+    prompt = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    writer.submit("capture", extract.StepCapture(range(0, 3), [("a", 0, 3, [7, 8, 9], spec, 0)], None,
+                                                 values={"m.output": prompt}))
+    for step, (token, other_token) in enumerate([(21, 31), (22, 32)]):
+        decode = torch.tensor([[100.0 + step, 0.0], [200.0 + step, 0.0]])
+        writer.submit("capture", extract.StepCapture(
+            range(0, 2), [("a", 0, 1, None, spec, 3 + step), ("b", 1, 1, None, other, 5 + step)], None,
+            values={"m.output": decode}, wants_ids=True, ids=torch.tensor([token, other_token], dtype=torch.int32)))
+    written = writer.submit("commit", ("g", False))
+    assert written["rows"] == 7 and written["prompts"] == {2: 2, 4: 5}
+    data = load_file(str(tmp_path / "g.safetensors"))
+    assert data["prompt_index"].tolist() == [2, 2, 4, 4, 4, 4, 4]
+    assert data["position"].tolist() == [5, 6, 0, 1, 2, 3, 4]
+    assert data["token_ids"].tolist() == [31, 32, 7, 8, 9, 21, 22]
+    assert data["m.output"][:, 0].tolist() == [200, 201, 0, 2, 4, 100, 101]
