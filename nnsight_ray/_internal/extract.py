@@ -58,7 +58,8 @@ from typing import Any
 
 import torch
 
-from .extract_rows import DecodeBlock, part_columns
+from .classes import extend
+from .extract_rows import DecodeBlock, capture, part_columns, row_index
 from .host_memory import (RING_MB, STAGING, STAGINGS, Staging, _mapped, host_buffer, release_freed_memory,
                           release_pinned_cache)
 from .safetensors_io import FORMAT, write_safetensors
@@ -103,50 +104,6 @@ def request_args(part: str, index: int, directory: str, locations: list[str], dt
     if generated:
         spec["generated"] = True
     return {KEY: spec}
-
-
-def capture(output: Any, rows: "torch.Tensor | range", dtype: torch.dtype | None = None,
-            into: Any = None) -> torch.Tensor:
-    """``rows`` of a module output's residual stream (``interventions.residual_parts``: what the
-    batch runner's Parquet saves read), as a copy in ``dtype`` (default: the output's); each
-    part is narrowed before the sum.
-
-    ``rows`` is a ``range`` when the step's captured rows are one span (every request of the
-    step asks for extraction, as in a dataset run): views of the span, then one copy, no index.
-    ``into(shape, dtype)``, if given, makes the tensor the rows are computed into (the CPU
-    build's ``host_buffer``): no intermediate copy.
-    """
-    from ..batch.interventions import residual_parts
-
-    span = isinstance(rows, range)
-    parts = [part.narrow(0, rows.start, len(rows)) if span else part.index_select(0, rows)
-             for part in residual_parts(output)]
-    if into is not None:
-        out = into(parts[0].shape, dtype or parts[0].dtype)
-        if len(parts) == 2:
-            return torch.add(parts[0], parts[1], out=out)
-        return out.copy_(parts[0])
-    if len(parts) == 2:
-        taken = parts[0] + parts[1]
-    else:
-        taken = parts[0].clone() if span else parts[0]  # a view is copied; index_select already copied
-    return taken if dtype is None or taken.dtype == dtype else taken.to(dtype)
-
-
-def row_index(spans: list[tuple[int, int]], device: Any) -> "torch.Tensor | range":
-    """The flattened-batch rows of ``spans`` (``(first row, count)`` in batch order) for ``capture``.
-
-    One contiguous span is a ``range``. Otherwise an index tensor on ``device``, copied from
-    pinned memory without waiting: a copy from pageable memory would wait for every kernel
-    queued before it (the previous step's forward) on the thread that launches this one.
-    """
-    if spans and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])):
-        return range(spans[0][0], spans[-1][0] + spans[-1][1])
-    rows = torch.cat([torch.arange(a, a + n, dtype=torch.long) for a, n in spans]) if spans \
-        else torch.empty(0, dtype=torch.long)
-    if torch.device(device).type == "cuda":
-        return rows.pin_memory().to(device, non_blocking=True)
-    return rows.to(device)
 
 
 @dataclass
@@ -405,6 +362,20 @@ def discard(part: str) -> None:
     writer().queue.put(("discard", part, None))
 
 
+class ExtractTapsInterleaver:
+    """Behaviour added to the rank's interleaver on a tapped engine whose requests keep their generated
+    tokens' rows: a tap replayed in a breakable graph hands them over too, once the blocks (if any) are
+    done with it, as a module's forward hook does on an eager step. Installed by ``extend`` when first needed."""
+
+    nnsight_ray_extract_tap: Any = None
+
+    def replay(self, location: str, live: Any) -> None:
+        super().replay(location, live)  # type: ignore[misc]
+        tap = self.nnsight_ray_extract_tap
+        if tap is not None and self.interleaving:  # type: ignore[attr-defined]
+            tap(location, live)
+
+
 class ExtractRunnerMixin:
     """Runner mixin: captures the rows of requests that ask for extraction (module docstring)."""
 
@@ -416,6 +387,7 @@ class ExtractRunnerMixin:
         self._extract_writes = get_tensor_model_parallel_rank() == 0
         configure(pp.rank_in_group, pp.world_size, self._extract_writes)
         self._extract_hooks: dict[str, Any] = {}
+        self._extract_takes: dict[str, Any] = {}  # location -> what its hook does with the module's output
         self._extract_step: StepCapture | None = None
         self._extract_seen: set[str] = set()
         self._extract_generating: dict[str, dict[str, Any]] = {}  # request id -> its spec, while it generates
@@ -449,11 +421,41 @@ class ExtractRunnerMixin:
                 logger.warning("request %s: prompt not whole in one step (%s of %d tokens from %d); not extracted",
                                data.req_id, tokens.get(data.req_id), len(data.prompt_token_ids or ()),
                                data.num_computed_tokens)
-        # Every rank (not only the writer): a graph engine runs this step eagerly for it (``graphs``).
-        self.nnsight_ray_extract_asked = bool(asking) or bool(decoding)
+        # Every rank alike (not only the writer): what this step needs of a graph engine (``graphs``).
+        self.nnsight_ray_extract_need = self._extract_need(bool(asking), decoding)
         if (asking or decoding) and self._extract_writes:
             self._extract_plan(scheduler_output, asking, decoding)
         return result
+
+    def _extract_need(self, prompts: bool, decoding: set[str]) -> str:
+        """A prompt's rows are read by forward hooks, which only an eager step runs (``EAGER``); generated
+        tokens' rows too, unless every location they ask for is a tap of this graph engine: then at the
+        taps of a breakable graph (``PIECEWISE``, ``ExtractTapsInterleaver``), never a full one."""
+        from .graphs import ANY, EAGER, PIECEWISE
+
+        if prompts:
+            return EAGER
+        if not decoding:
+            return ANY
+        graph = getattr(self, "_nnsight_ray_graph", None) or {}
+        taps = graph.get("taps") if graph.get("graphs") else None
+        root = self.nnsight_model.path  # type: ignore[attr-defined]
+        wanted = {loc for rid in decoding for loc in self._extract_generating[rid]["locations"]}
+        if not taps or any((f"{root}.{loc}" if root else loc) not in taps for loc in wanted):
+            return EAGER
+        interleaver = self.nnsight_model.interleaver  # type: ignore[attr-defined]
+        if extend(interleaver, ExtractTapsInterleaver):  # outermost: after the snapshot's replay (``snapshot``)
+            interleaver.nnsight_ray_extract_tap = self._extract_at_tap
+        return PIECEWISE
+
+    def _extract_at_tap(self, location: str, live: Any) -> None:
+        """A tap replayed in a breakable graph (``ExtractTapsInterleaver``): this step's rows of it, if asked."""
+        if self._extract_step is None:
+            return
+        root = self.nnsight_model.path  # type: ignore[attr-defined]
+        take = self._extract_takes.get(location[len(root) + 1:] if root else location)
+        if take is not None:
+            take(live)
 
     def _extract_plan(self, scheduler_output: Any, asking: dict[str, tuple[Any, dict]], decoding: set[str]) -> None:
         tokens = scheduler_output.num_scheduled_tokens
@@ -525,7 +527,7 @@ class ExtractRunnerMixin:
             self._extract_hooks[location] = None  # another stage's module (or nothing to read here)
             return
 
-        def hook(_module: Any, _args: Any, output: Any) -> None:
+        def take(output: Any) -> None:
             step = self._extract_step
             if step is None:
                 return
@@ -551,7 +553,9 @@ class ExtractRunnerMixin:
                 taken = host
             step.values[location] = taken
 
-        self._extract_hooks[location] = module.register_forward_hook(hook)
+        # An eager step's forward runs the hook; a breakable graph's replay reaches a tap (``_extract_at_tap``).
+        self._extract_takes[location] = take
+        self._extract_hooks[location] = module.register_forward_hook(lambda _module, _args, output: take(output))
 
     def _extract_input_ids(self, rows: "torch.Tensor | range") -> torch.Tensor:
         """The step's input token ids at ``rows``, as a copy (vLLM's ``input_ids`` buffer is refilled next step)."""

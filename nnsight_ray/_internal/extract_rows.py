@@ -1,6 +1,7 @@
-"""A part file's rows in their order: each prompt's, then its generated tokens' (``extract``'s commit).
+"""Which rows ``extract`` takes from a step, and a part file's rows in their order.
 
-Pure logic over host tensors. A prompt's own rows arrive as one entry (the step
+``row_index`` and ``capture``: the step's rows of a module's output, as one copy.
+The rest is the commit's, pure logic over host tensors. A prompt's own rows arrive as one entry (the step
 that ran its prompt); the rows of the tokens it generates (``generated=True``)
 arrive one ``DecodeBlock`` per step for the whole part, and are sorted once, at
 the commit, with tensor operations: the Python work is per step and per prompt,
@@ -13,6 +14,50 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+def capture(output: Any, rows: "torch.Tensor | range", dtype: torch.dtype | None = None,
+            into: Any = None) -> torch.Tensor:
+    """``rows`` of a module output's residual stream (``interventions.residual_parts``: what the
+    batch runner's Parquet saves read), as a copy in ``dtype`` (default: the output's); each
+    part is narrowed before the sum.
+
+    ``rows`` is a ``range`` when the step's captured rows are one span (every request of the
+    step asks for extraction, as in a dataset run): views of the span, then one copy, no index.
+    ``into(shape, dtype)``, if given, makes the tensor the rows are computed into (the CPU
+    build's ``host_buffer``): no intermediate copy.
+    """
+    from ..batch.interventions import residual_parts
+
+    span = isinstance(rows, range)
+    parts = [part.narrow(0, rows.start, len(rows)) if span else part.index_select(0, rows)
+             for part in residual_parts(output)]
+    if into is not None:
+        out = into(parts[0].shape, dtype or parts[0].dtype)
+        if len(parts) == 2:
+            return torch.add(parts[0], parts[1], out=out)
+        return out.copy_(parts[0])
+    if len(parts) == 2:
+        taken = parts[0] + parts[1]
+    else:
+        taken = parts[0].clone() if span else parts[0]  # a view is copied; index_select already copied
+    return taken if dtype is None or taken.dtype == dtype else taken.to(dtype)
+
+
+def row_index(spans: list[tuple[int, int]], device: Any) -> "torch.Tensor | range":
+    """The flattened-batch rows of ``spans`` (``(first row, count)`` in batch order) for ``capture``.
+
+    One contiguous span is a ``range``. Otherwise an index tensor on ``device``, copied from
+    pinned memory without waiting: a copy from pageable memory would wait for every kernel
+    queued before it (the previous step's forward) on the thread that launches this one.
+    """
+    if spans and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])):
+        return range(spans[0][0], spans[-1][0] + spans[-1][1])
+    rows = torch.cat([torch.arange(a, a + n, dtype=torch.long) for a, n in spans]) if spans \
+        else torch.empty(0, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return rows.pin_memory().to(device, non_blocking=True)
+    return rows.to(device)
 
 
 @dataclass

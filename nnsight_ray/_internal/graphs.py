@@ -96,6 +96,11 @@ def engine_mode(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return kwargs, changed
 
 
+def strongest(*needs: str) -> str:
+    """The need that asks most of a step: ``EAGER`` over ``PIECEWISE`` over ``ANY``."""
+    return max(needs, key=(ANY, PIECEWISE, EAGER).index)
+
+
 def _pending_provider(mediator: Any) -> Any:
     pending = mediator.pending
     return None if pending is None else pending.provider
@@ -223,11 +228,11 @@ class GraphStepsRunnerMixin:
         forced = False
         if graph["graphs"]:
             interleaver = self.nnsight_model.interleaver  # type: ignore[attr-defined]
-            # Extraction (``extract``: noted by its mixin's ``_update_states``, earlier in this step) reads its
-            # rows in PyTorch forward hooks, which a replayed graph never runs.
-            asked = getattr(self, "nnsight_ray_extract_asked", False)
-            need = EAGER if asked else step_need(interleaver.mediators, graph["taps"], graph["outside"],
-                                                 interleaver.observers)
+            # Extraction (``extract``: noted by its mixin's ``_update_states``, earlier in this step) reads a
+            # prompt's rows in PyTorch forward hooks, which a replayed graph never runs; generated tokens' rows
+            # at taps too, when every location it keeps is one.
+            need = strongest(getattr(self, "nnsight_ray_extract_need", ANY),
+                             step_need(interleaver.mediators, graph["taps"], graph["outside"], interleaver.observers))
             forced = need == EAGER and not kwargs.get("force_eager")
             if need == EAGER:
                 kwargs["force_eager"] = True

@@ -207,3 +207,30 @@ def test_plain_requests_share_graph_steps_with_a_traced_one(ray_taps, hf):
     want = hf.run_ids(prompt_ids + generated[:2])["layers"][1][-1]
     assert_close((got[0] + got[1])[-1], want, what="traced request beside plain ones")
     modes.expect(modes.ran.get("piecewise", 0) >= 1)
+
+
+@pytest.mark.parametrize("locations", [["model.layers.1.output", "model.layers.2.output"],
+                                       ["model.layers.1.output", "model.layers.1.self_attn.output"]],
+                         ids=["taps", "an untapped one"])
+def test_extraction_of_generated_tokens_on_a_tapped_engine(ray_taps, hf, tmp_path, locations):
+    """``extract_async(generated=True)``: a decode step's rows are taken at the taps of a breakable graph
+    when every asked location is a tap (no eager step), else the step runs eagerly (forward hooks)."""
+    import ray
+    from safetensors.torch import load_file
+
+    engine = ray_taps.vllm_entrypoint
+    with Modes(ray_taps) as modes:
+        outputs = ray.get(engine.extract_async([PROMPT, OTHER], "gen", str(tmp_path), locations, max_tokens=STEPS,
+                                               generated=True, ignore_eos=True))
+    (written,) = [w for w in ray.get(engine.extract_commit("gen")) if w is not None]
+    data = load_file(written["file"])
+    for index, output in enumerate(outputs):
+        sequence = list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
+        rows = data["prompt_index"] == index
+        assert data["token_ids"][rows].tolist() == sequence
+        want = hf.run_ids(sequence)
+        assert_close(data["model.layers.1.output"][rows], want["layers"][1], what=f"generated rows of prompt {index}")
+    if not any("self_attn" in location for location in locations):
+        modes.expect(modes.ran.get("piecewise", 0) >= STEPS - 1 and "eager_for_block" not in modes.ran)
+    else:
+        modes.expect(modes.ran.get("eager_for_block", 0) >= STEPS - 1)

@@ -73,17 +73,17 @@ def test_the_pinned_cache_goes_back_only_after_the_writer_stays_idle(tmp_path, m
 def test_row_index_is_a_span_when_the_rows_are_contiguous_and_an_index_otherwise():
     """A step whose captured rows are one span (every request asking, as in a dataset run) needs no
     index tensor: ``capture`` copies the span's view. Both forms take the same rows."""
-    assert extract.row_index([(0, 3), (3, 4), (7, 2)], "cpu") == range(0, 9)
-    assert extract.row_index([(5, 2)], "cpu") == range(5, 7)
-    gapped = extract.row_index([(0, 2), (5, 3)], "cpu")
+    assert extract_rows.row_index([(0, 3), (3, 4), (7, 2)], "cpu") == range(0, 9)
+    assert extract_rows.row_index([(5, 2)], "cpu") == range(5, 7)
+    gapped = extract_rows.row_index([(0, 2), (5, 3)], "cpu")
     assert isinstance(gapped, torch.Tensor) and gapped.tolist() == [0, 1, 5, 6, 7]
     hidden, residual = torch.randn(12, 4), torch.randn(12, 4)
     for spans in ([(2, 3), (5, 4)], [(0, 2), (5, 3)]):
         rows = [r for a, n in spans for r in range(a, a + n)]
         want = hidden[rows] + residual[rows]
-        got = extract.capture((hidden, residual), extract.row_index(spans, "cpu"))
+        got = extract_rows.capture((hidden, residual), extract_rows.row_index(spans, "cpu"))
         assert torch.equal(got, want)
-        alone = extract.capture(hidden, extract.row_index(spans, "cpu"))
+        alone = extract_rows.capture(hidden, extract_rows.row_index(spans, "cpu"))
         assert torch.equal(alone, hidden[rows])
         alone.add_(1)  # a copy: the model's tensor is untouched
         assert torch.equal(hidden[rows] + 1, alone)
@@ -156,9 +156,9 @@ def test_capture_computes_straight_into_a_host_buffer_in_the_asked_dtype():
     hidden, residual = torch.randn(12, 4), torch.randn(12, 4)
     for rows in (range(2, 9), torch.tensor([0, 3, 5])):
         want = hidden[torch.as_tensor(list(rows))] + residual[torch.as_tensor(list(rows))]
-        got = extract.capture((hidden, residual), rows, torch.bfloat16, extract.host_buffer)
+        got = extract_rows.capture((hidden, residual), rows, torch.bfloat16, extract.host_buffer)
         assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
-        alone = extract.capture(hidden, rows, None, extract.host_buffer)
+        alone = extract_rows.capture(hidden, rows, None, extract.host_buffer)
         assert torch.equal(alone, hidden[torch.as_tensor(list(rows))])
 
 

@@ -91,3 +91,60 @@ def test_a_replayed_step_counts_a_visit_of_every_untapped_module_location():
     interleaver.mediators = []
     _count_unvisited(interleaver, TAPS, OUTSIDE)  # no block in the step: nothing counts, as on an eager step
     assert interleaver.counts["model.model.layers.1.mlp.output"] == 3
+
+
+def test_the_strongest_need_wins():
+    from nnsight_ray._internal.graphs import strongest
+
+    assert strongest(ANY, PIECEWISE) == PIECEWISE and strongest(EAGER, PIECEWISE, ANY) == EAGER
+    assert strongest(ANY, ANY) == ANY
+
+
+def _extracting_runner(taps, graphs=True):
+    """The extraction mixin over nnsight's real tapped interleaver (CPU tensors; no engine)."""
+    import torch
+    from nnsight.intervention.batching import Batcher
+    from nnsight.modeling.vllm.interleaver import VLLMInterleaver
+
+    from nnsight_ray._internal.extract import ExtractRunnerMixin
+
+    interleaver = VLLMInterleaver(taps)
+    interleaver.batcher = Batcher(None)
+    interleaver.batcher.total = 3
+    runner = ExtractRunnerMixin()
+    runner.nnsight_model = SimpleNamespace(path="model", interleaver=interleaver)
+    runner._nnsight_ray_graph = {"graphs": graphs, "taps": frozenset(taps)}
+    runner._extract_generating = {"r0": {"locations": ["model.layers.1.output"]},
+                                  "r1": {"locations": ["model.layers.1.output", "model.layers.2.output"]}}
+    runner._extract_step = object()
+    runner._extract_takes = {}
+    return runner, interleaver, torch
+
+
+def test_generated_rows_at_taps_let_the_step_replay_breakable_graphs():
+    runner, _, _ = _extracting_runner(TAPS)
+    assert runner._extract_need(False, set()) == ANY
+    assert runner._extract_need(True, {"r0"}) == EAGER  # a prompt's rows: forward hooks, an eager step
+    assert runner._extract_need(False, {"r0", "r1"}) == PIECEWISE  # every location a tap
+    runner._extract_generating["r1"]["locations"].append("model.layers.1.mlp.output")
+    assert runner._extract_need(False, {"r0", "r1"}) == EAGER  # one untapped location
+    assert runner._extract_need(False, {"r0"}) == PIECEWISE
+    assert _extracting_runner(TAPS, graphs=False)[0]._extract_need(False, {"r0"}) == EAGER  # an eager engine
+
+
+def test_a_replayed_tap_hands_its_rows_to_the_extraction_after_the_blocks():
+    runner, interleaver, torch = _extracting_runner(TAPS)
+    taken = []
+    runner._extract_takes["model.layers.1.output"] = taken.append
+    assert runner._extract_need(False, {"r0"}) == PIECEWISE  # installs the replay's extension
+    live = (torch.ones(8, 2), torch.zeros(8, 2))  # a graph's buffers: padded past the step's 3 rows
+    interleaver.interleaving = True
+    interleaver.replay("model.model.layers.1.output", live)
+    interleaver.replay("model.model.layers.2.output", live)  # a tap nobody extracts here
+    assert len(taken) == 1 and taken[0] is live
+    interleaver.interleaving = False  # outside a step (the graph's capture) nothing is taken
+    interleaver.replay("model.model.layers.1.output", live)
+    runner._extract_step = None  # a step with nothing to extract
+    interleaver.interleaving = True
+    interleaver.replay("model.model.layers.1.output", live)
+    assert len(taken) == 1
