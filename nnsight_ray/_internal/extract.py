@@ -267,7 +267,6 @@ class Writer:
                 part = self.parts.get(spec["part"])
                 if part is None:
                     part = self.parts[spec["part"]] = Part(spec["dir"], now)
-                touched[id(part)] = part
                 if ids is None:  # generated tokens' rows: gathered per part below, sorted at the commit
                     _, _, rows, indices, positions = decoded.setdefault(id(part), (part, spec, [], [], []))
                     rows.extend(range(first, first + count))
@@ -277,10 +276,13 @@ class Writer:
                 values = {loc: v.narrow(0, first, count) for loc, v in capture.values.items()
                           if loc in spec["locations"]}
                 part.entries.append((spec["index"], position, ids, values))
+                touched[id(part)] = part  # its rows are views of the step's host memory
             for part, spec, rows, indices, positions in decoded.values():
+                # Copied out: a step's slab is as large as the largest step, and holding one per decode step
+                # until the commit would drain the pool in a few steps; a decode step's rows are few.
                 first, span = rows[0], rows[-1] - rows[0] + 1 == len(rows)  # rows ascend: one span, or an index
                 taken = torch.tensor(rows, dtype=torch.int64) if not span else None
-                pick = (lambda t: t[first:first + len(rows)]) if span else (lambda t: t.index_select(0, taken))
+                pick = (lambda t: t[first:first + len(rows)].clone()) if span else (lambda t: t.index_select(0, taken))
                 part.blocks.append(DecodeBlock(
                     torch.tensor(indices, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
                     pick(capture.ids) if capture.ids is not None else torch.zeros(len(rows), dtype=torch.int64),

@@ -347,3 +347,29 @@ def test_decode_rows_take_their_tokens_from_the_step_and_are_written_at_their_po
     assert data["position"].tolist() == [5, 6, 0, 1, 2, 3, 4]
     assert data["token_ids"].tolist() == [31, 32, 7, 8, 9, 21, 22]
     assert data["m.output"][:, 0].tolist() == [200, 201, 0, 2, 4, 100, 101]
+
+
+def test_a_decode_step_gives_its_slab_back_once_filed(tmp_path, monkeypatch):
+    """Generated tokens' rows are copied out of the step's slab when filed: a slab is as large as the
+    largest step, and one held per decode step until the commit would drain the pool in a few steps."""
+    from safetensors.torch import load_file
+
+    writer = _pool_writer(monkeypatch, slabs=3)
+    spec = {"part": "g", "index": 0, "dir": str(tmp_path), "locations": ["m.output"], "generated": True}
+    prompt = extract.StepCapture(range(0, 4), [("r", 0, 4, [1, 2, 3, 4], spec, 0)], None, step=1)
+    prompt.values["m.output"] = writer.to_host(torch.arange(8.0).reshape(4, 2), prompt)
+    writer.submit("capture", prompt)
+    del prompt
+    assert writer.host.slabs.lent() == 1  # the prompt's rows stay in their slab until the commit
+    for step in range(6):  # more decode steps than the pool has slabs
+        decode = extract.StepCapture(range(0, 1), [("r", 0, 1, None, spec, 4 + step)], None, step=2 + step,
+                                     wants_ids=True, ids=torch.tensor([10 + step], dtype=torch.int32))
+        decode.values["m.output"] = writer.to_host(torch.full((1, 2), 100.0 + step), decode)
+        writer.submit("capture", decode)
+        del decode
+        assert writer.host.slabs.lent() == 1
+    assert writer.submit("commit", ("g", False))["rows"] == 10
+    assert writer.host.slabs.lent() == 0 and writer.host.overflows == 0
+    data = load_file(str(tmp_path / "g.safetensors"))
+    assert data["token_ids"].tolist() == [1, 2, 3, 4, 10, 11, 12, 13, 14, 15]
+    assert data["m.output"][:, 0].tolist() == [0, 2, 4, 6, 100, 101, 102, 103, 104, 105]
