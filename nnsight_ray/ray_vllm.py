@@ -231,12 +231,13 @@ class RemoteEngine:
 
     def extract_async(self, prompts: list, part: str, directory: str, locations: list[str], *,
                       indices: list[int] | None = None, dtype: str | None = None, max_tokens: int = 1,
-                      generated: bool = False, ignore_eos: bool = False) -> Any:
+                      generated: bool = False, temperature: float = 0.0, ignore_eos: bool = False) -> Any:
         """Run ``prompts``; the ranks keep every prompt token's value at ``locations`` under ``part``.
 
-        ``generated``: every generated token's row too (greedy, ``max_tokens``; each decode step's
-        row, at its position after the prompt: a sequence of ``p`` prompt tokens and ``n`` generated
-        ones has ``p + n - 1`` rows, the last token being sampled, never run). Returns the
+        ``generated``: every generated token's row too (``max_tokens``, sampled at ``temperature``,
+        greedy by default; each decode step's row, at its position after the prompt: a sequence of ``p``
+        prompt tokens and ``n`` generated ones has ``p + n - 1`` rows, the last token being sampled,
+        never run). Returns the
         ``ObjectRef`` of the plain outputs (no saves travel). Prompt ``i`` is recorded as
         ``indices[i]`` (default ``i``). Nothing is written until ``extract_commit``.
         """
@@ -245,7 +246,7 @@ class RemoteEngine:
         from ._internal.extract import request_args
 
         indices = list(range(len(prompts))) if indices is None else list(indices)
-        params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=ignore_eos,
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, detokenize=False, ignore_eos=ignore_eos,
                                  extra_args=request_args(part, index, directory, locations, dtype, generated))
                   for index in indices]
         return self.generate_async(list(prompts), params)

@@ -186,8 +186,8 @@ class OutputConfig(_Section):
         "a killed run keeps whole files either way, and resume redoes any file cut short)."
     )
     generated: bool = Field(
-        False, description="activations only: every generated token's row too (greedy, sampling.max_tokens: each "
-        "decode step's row at its position after the prompt; the last token is sampled, never run)."
+        False, description="activations only: every generated token's row too (sampling.max_tokens at sampling.temperature: "
+        "each decode step's row at its position after the prompt; the last token is sampled, never run)."
     )
 
 

@@ -56,10 +56,11 @@ def part_name(shard: int, positions: Sequence[int], shard_prompts: int) -> str:
 
 
 def submit_extract(model: Any, texts: list[str], part: str, directory: str, locations: list[str],
-                   indices: list[int], dtype: str | None, max_tokens: int, generated: bool = False) -> Any:
+                   indices: list[int], dtype: str | None, sampling: dict[str, Any], generated: bool = False) -> Any:
     """The chunk's prompts as plain requests whose rows the ranks keep under ``part``; a ref to the outputs."""
-    return model.vllm_entrypoint.extract_async(texts, part, directory, locations, indices=indices,
-                                               dtype=dtype, max_tokens=max_tokens, generated=generated)
+    return model.vllm_entrypoint.extract_async(texts, part, directory, locations, indices=indices, dtype=dtype,
+                                               max_tokens=sampling["max_tokens"],
+                                               temperature=sampling.get("temperature", 0.0), generated=generated)
 
 
 class Replica:

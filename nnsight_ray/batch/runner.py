@@ -248,7 +248,7 @@ class BatchRunner:
         dtype = None if self.config.output.dtype == "auto" else self.config.output.dtype
         return submit_extract(replica.model, scheduler.prompts(chunk), part, str(self.prepared.run_dir.path),
                               [s.location for s in self.config.saves or []], [base + p for p in chunk.positions],
-                              dtype, sampling["max_tokens"], self.config.output.generated)
+                              dtype, sampling, self.config.output.generated)
 
     def _extracted(self, entry: InFlight, outcome: Any) -> InFlight | dict[str, Any] | BaseException:
         """An activation chunk's next phase: its outputs are back -> the ranks' commits; commits back -> its rows."""

@@ -217,6 +217,23 @@ def test_activation_shards_equal_local_traces_at_tp2(ray_tp2, local_llama, model
     manifest = json.loads((tmp_path / "gen" / "manifest.json").read_text())
     assert sum(s["rows"] for s in manifest["shards"]) == len(data["token_ids"])
 
+    # sampled (temperature 1): the rows are of whatever was sampled, each equal to a prefill of that sequence
+    sampled = make_config(tmp_path, model_dir, PROMPTS[:2], name="sampled", saves=ACTIVATIONS[:1],
+                          sampling={"max_tokens": 3, "temperature": 1.0},
+                          output={"format": "activations", "generated": True}, runner={})
+    result, log = run(sampled, engines=[ray_tp2])
+    assert result.complete and result.errors == 0, log
+    data = read_activations(tmp_path / "sampled")
+    for index, prompt in enumerate(PROMPTS[:2]):
+        rows = data["prompt_index"] == index
+        sequence = data["token_ids"][rows].tolist()
+        tokens = local_llama.tokenizer(prompt)["input_ids"]
+        assert sequence[:len(tokens)] == tokens and len(tokens) <= len(sequence) <= len(tokens) + 2
+        with local_llama.trace({"prompt_token_ids": sequence}, temperature=0.0, max_tokens=1):
+            out = local_llama.model.layers[3].output
+            want = (out[0] + out[1]).clone().save()
+        assert_close(torch.from_numpy(data["model.layers.3.output"][rows]), want)
+
 
 def test_two_replicas_give_the_same_outputs_as_one(ray_tp1, ray_tp2, model_dir, tmp_path):
     prompts = [f"prompt {i}: " + "abcdefgh"[: i % 8] for i in range(24)]

@@ -574,3 +574,16 @@ def test_activations_refuse_an_engine_whose_ranks_cannot_write(tmp_path):
     with pytest.raises(BatchConfigError, match="needs RayVLLM engines"):
         runner.run()
     assert runner.prompts_run == 0
+
+
+def test_activation_requests_are_sampled_as_the_config_says():
+    """output.generated: the generated tokens follow `sampling` (the rows are of whatever was sampled)."""
+    from types import SimpleNamespace
+
+    from nnsight_ray.batch.replicas import submit_extract
+
+    asked = {}
+    engine = SimpleNamespace(extract_async=lambda *args, **kwargs: asked.update(kwargs) or "ref")
+    ref = submit_extract(SimpleNamespace(vllm_entrypoint=engine), ["p"], "shard-00000", "/d", ["model.layers.1.output"],
+                         [0], None, {"max_tokens": 5, "temperature": 0.7}, generated=True)
+    assert ref == "ref" and asked["max_tokens"] == 5 and asked["temperature"] == 0.7 and asked["generated"] is True
