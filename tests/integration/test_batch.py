@@ -195,44 +195,30 @@ def test_activation_shards_equal_local_traces_at_tp2(ray_tp2, local_llama, model
                  reference(local_llama, PROMPTS[1])["model.layers.3.output"], rel=2e-3)
 
     # output.generated: each prompt's rows, then one per generated token that ran (max_tokens 3: two, fewer where
-    # greedy decoding meets the end of sequence first), equal to one prefill of the whole sequence on the
-    # in-process engine
-    generated = make_config(tmp_path, model_dir, PROMPTS[:3], name="gen", saves=ACTIVATIONS[:1],
-                            sampling={"max_tokens": 3}, output={"format": "activations", "generated": True}, runner={})
-    result, log = run(generated, engines=[ray_tp2])
-    assert result.complete and result.errors == 0, log
-    data = read_activations(tmp_path / "gen")
-    for index, prompt in enumerate(PROMPTS[:3]):
-        rows = data["prompt_index"] == index
-        sequence = data["token_ids"][rows].tolist()
-        tokens = local_llama.tokenizer(prompt)["input_ids"]
-        with local_llama.trace(prompt, temperature=0.0, max_tokens=3) as tracer:
-            result = tracer.result.save()
-        assert sequence == tokens + list(result.outputs[0].token_ids)[:-1]
-        assert data["position"][rows].tolist() == list(range(len(sequence)))
-        with local_llama.trace({"prompt_token_ids": sequence}, temperature=0.0, max_tokens=1):
-            out = local_llama.model.layers[3].output
-            want = (out[0] + out[1]).clone().save()
-        assert_close(torch.from_numpy(data["model.layers.3.output"][rows]), want)
-    manifest = json.loads((tmp_path / "gen" / "manifest.json").read_text())
-    assert sum(s["rows"] for s in manifest["shards"]) == len(data["token_ids"])
-
-    # sampled (temperature 1): the rows are of whatever was sampled, each equal to a prefill of that sequence
-    sampled = make_config(tmp_path, model_dir, PROMPTS[:2], name="sampled", saves=ACTIVATIONS[:1],
-                          sampling={"max_tokens": 3, "temperature": 1.0},
-                          output={"format": "activations", "generated": True}, runner={})
-    result, log = run(sampled, engines=[ray_tp2])
-    assert result.complete and result.errors == 0, log
-    data = read_activations(tmp_path / "sampled")
-    for index, prompt in enumerate(PROMPTS[:2]):
-        rows = data["prompt_index"] == index
-        sequence = data["token_ids"][rows].tolist()
-        tokens = local_llama.tokenizer(prompt)["input_ids"]
-        assert sequence[:len(tokens)] == tokens and len(tokens) <= len(sequence) <= len(tokens) + 2
-        with local_llama.trace({"prompt_token_ids": sequence}, temperature=0.0, max_tokens=1):
-            out = local_llama.model.layers[3].output
-            want = (out[0] + out[1]).clone().save()
-        assert_close(torch.from_numpy(data["model.layers.3.output"][rows]), want)
+    # decoding meets the end of sequence first), each equal to one prefill of the whole sequence in-process:
+    # greedy (the tokens LocalVLLM's own greedy decoding gives) and sampled (whatever was sampled)
+    for name, sampling in (("gen", {"max_tokens": 3}), ("sampled", {"max_tokens": 3, "temperature": 1.0})):
+        config = make_config(tmp_path, model_dir, PROMPTS[:3], name=name, saves=ACTIVATIONS[:1], sampling=sampling,
+                             output={"format": "activations", "generated": True}, runner={})
+        result, log = run(config, engines=[ray_tp2])
+        assert result.complete and result.errors == 0, log
+        data = read_activations(tmp_path / name)
+        for index, prompt in enumerate(PROMPTS[:3]):
+            rows = data["prompt_index"] == index
+            sequence = data["token_ids"][rows].tolist()
+            tokens = local_llama.tokenizer(prompt)["input_ids"]
+            assert sequence[:len(tokens)] == tokens and len(tokens) <= len(sequence) <= len(tokens) + 2
+            assert data["position"][rows].tolist() == list(range(len(sequence)))
+            if name == "gen":
+                with local_llama.trace(prompt, temperature=0.0, max_tokens=3) as tracer:
+                    greedy = tracer.result.save()
+                assert sequence == tokens + list(greedy.outputs[0].token_ids)[:-1]
+            with local_llama.trace({"prompt_token_ids": sequence}, temperature=0.0, max_tokens=1):
+                out = local_llama.model.layers[3].output
+                want = (out[0] + out[1]).clone().save()
+            assert_close(torch.from_numpy(data["model.layers.3.output"][rows]), want)
+        manifest = json.loads((tmp_path / name / "manifest.json").read_text())
+        assert sum(s["rows"] for s in manifest["shards"]) == len(data["token_ids"])
 
 
 def test_two_replicas_give_the_same_outputs_as_one(ray_tp1, ray_tp2, model_dir, tmp_path):
