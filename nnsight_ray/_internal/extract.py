@@ -364,6 +364,24 @@ def discard(part: str) -> None:
     writer().queue.put(("discard", part, None))
 
 
+def check_locations(locations: list[str], modules: "frozenset[str] | None") -> None:
+    """Refuse, before any prompt is sent, a location extraction cannot keep: not a module's ``.output``,
+    or (when the model's module paths are known) a module the model does not have."""
+    from ..errors import RequestError
+
+    if not locations:
+        raise RequestError("extraction needs at least one location, such as 'model.layers.0.output'")
+    for location in locations:
+        path, _, attribute = str(location).rpartition(".")
+        if attribute != "output" or not path:
+            raise RequestError(f"extraction keeps module outputs: {location!r} is not '<module>.output' "
+                               "(a trace reads anything else)")
+        if modules is not None and path not in modules:
+            near = sorted(m for m in modules if m.rpartition(".")[0] == path.rpartition(".")[0])[:8]
+            raise RequestError(f"extraction location {location!r}: the model has no module {path!r}"
+                               + (f" (beside it: {', '.join(near)})" if near else ""))
+
+
 class ExtractTapsInterleaver:
     """Behaviour added to the rank's interleaver on a tapped engine whose requests keep their generated
     tokens' rows: a tap replayed in a breakable graph hands them over too, once the blocks (if any) are

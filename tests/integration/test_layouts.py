@@ -289,6 +289,11 @@ def test_extraction_of_generated_tokens_equals_a_prefill_of_the_whole_sequence(e
             assert_close(torch.from_numpy(data[location][rows]), want["layers"][layer])
     held = model.vllm_entrypoint.collective_rpc("nnsight_ray_extract_memory")
     assert all(h["parts"] == 0 and h["writing"] == 0 and h["host_mb"] == 0 for h in held), held
+    # a location the model does not have is refused before any prompt is sent, naming what is there
+    from nnsight_ray.errors import RequestError
+
+    with pytest.raises(RequestError, match="no module 'model.layers.9'"):
+        model.vllm_entrypoint.extract_async(PROMPTS, "part-bad", str(tmp_path), ["model.layers.9.output"])
 
 
 @ray_layouts

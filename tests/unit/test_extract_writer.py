@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import time
 import weakref
@@ -373,3 +374,20 @@ def test_a_decode_step_gives_its_slab_back_once_filed(tmp_path, monkeypatch):
     data = load_file(str(tmp_path / "g.safetensors"))
     assert data["token_ids"].tolist() == [1, 2, 3, 4, 10, 11, 12, 13, 14, 15]
     assert data["m.output"][:, 0].tolist() == [0, 2, 4, 6, 100, 101, 102, 103, 104, 105]
+
+
+def test_locations_extraction_cannot_keep_are_refused_before_a_prompt_is_sent():
+    import pytest
+
+    from nnsight_ray.errors import RequestError
+
+    modules = frozenset({"model", "model.layers", "model.layers.0", "model.layers.1", "model.layers.1.mlp"})
+    extract.check_locations(["model.layers.1.output", "model.layers.1.mlp.output"], modules)
+    extract.check_locations(["model.layers.9.output"], None)  # nothing known of the model: only the form
+    for locations, needle in ((["model.layers.1.input"], "is not '<module>.output'"),
+                              (["output"], "is not '<module>.output'"),
+                              ([], "at least one location"),
+                              (["model.layers.9.output"], "no module 'model.layers.9' (beside it: model.layers.0, "
+                                                          "model.layers.1)")):
+        with pytest.raises(RequestError, match=re.escape(needle)):
+            extract.check_locations(locations, modules)
