@@ -304,7 +304,7 @@ class Writer:
             return None
         if part is None:
             return {"file": None, "prompts": {}, "rows": 0, "bytes": 0, "stage": self.stage}
-        columns, order, counts, locations = part_columns(part.entries, part.blocks)
+        columns, order, counts, locations, replayed = part_columns(part.entries, part.blocks)
         suffix = f".stage{self.stage}" if self.stages > 1 else ""
         path = os.path.join(part.directory, f"{name}{suffix}.safetensors")
         os.makedirs(part.directory, exist_ok=True)
@@ -312,7 +312,7 @@ class Writer:
         write_safetensors(temporary, columns, {"format": FORMAT, "stage": str(self.stage), "stages": str(self.stages)},
                           fsync=fsync)
         os.replace(temporary, path)
-        return {"file": path, "prompts": dict(zip(order, counts)),
+        return {"file": path, "prompts": dict(zip(order, counts)), "replayed": replayed,
                 "rows": sum(counts), "bytes": os.path.getsize(path), "stage": self.stage, "locations": locations}
 
     # -- the callers ----------------------------------------------------------

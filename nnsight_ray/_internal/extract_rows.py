@@ -111,9 +111,10 @@ def generated_rows(blocks: list[DecodeBlock], prompt_lengths: dict[int, int]) ->
 
 
 def part_columns(entries: list[tuple[int, int, list[int], dict[str, torch.Tensor]]], blocks: list[DecodeBlock],
-                 ) -> tuple[dict[str, list[torch.Tensor]], list[int], list[int], list[str]]:
+                 ) -> tuple[dict[str, list[torch.Tensor]], list[int], list[int], list[str], int]:
     """A part's file columns (each a list of pieces, concatenated as written), its prompt indices in
-    order, each one's row count, and its locations."""
+    order, each one's row count, its locations, and how many captured rows were not written because
+    another capture of their position was (a preempted request's recompute)."""
     ordered = _prompts_once(entries)
     generated = generated_rows(blocks, {index: len(ids) for index, _, ids, _ in ordered})
     pieces: dict[int, list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]] = {}
@@ -145,4 +146,5 @@ def part_columns(entries: list[tuple[int, int, list[int], dict[str, torch.Tensor
     columns["prompt_index"] = [torch.repeat_interleave(torch.tensor(order, dtype=torch.int64),
                                                        torch.tensor(counts, dtype=torch.int64))]
     columns["position"] = [torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)]
-    return columns, order, counts, locations
+    captured = sum(len(ids) for _, _, ids, _ in entries) + sum(len(b.index) for b in blocks)
+    return columns, order, counts, locations, captured - sum(counts)

@@ -312,17 +312,23 @@ def test_generated_rows_sort_by_prompt_then_position_each_position_once():
         index, position, ids = (torch.tensor(c, dtype=torch.int64) for c in zip(*rows))
         return extract_rows.DecodeBlock(index, position, ids, {"m": torch.full((len(rows), 2), float(fill))})
 
-    got = extract_rows.generated_rows([
+    blocks = [
         block([(1, 3, 13), (0, 3, 3)], 1),
         block([(1, 4, 14), (0, 4, 4)], 2),
         block([(0, 0, 0), (0, 1, 1), (0, 2, 2), (0, 3, 3), (0, 4, 4), (0, 5, 5)], 3),  # 0's recompute: 5 is new
         block([(0, 5, 5), (0, 6, 6), (1, 5, 15)], 4),  # 5 again: dropped
-    ], prompt_lengths={0: 3, 1: 3})
+    ]
+    got = extract_rows.generated_rows(blocks, prompt_lengths={0: 3, 1: 3})
     assert got["index"].tolist() == [0, 0, 0, 0, 1, 1, 1]
     assert got["position"].tolist() == [3, 4, 5, 6, 3, 4, 5]
     assert got["token_ids"].tolist() == [3, 4, 5, 6, 13, 14, 15]
     assert got["m"][:, 0].tolist() == [1, 2, 3, 4, 1, 2, 4]
     assert extract_rows.generated_rows([], {}) is None
+    # the whole part: each prompt's 3 rows, then its generated ones; 6 captured rows replayed, not written
+    prompts = [(i, 0, [0, 1, 2], {"m": torch.zeros(3, 2)}) for i in (1, 0)]
+    columns, order, counts, locations, replayed = extract_rows.part_columns(prompts, blocks)
+    assert order == [0, 1] and counts == [7, 6] and locations == ["m"] and replayed == 6
+    assert torch.cat(columns["position"]).tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5]
 
 
 def test_decode_rows_take_their_tokens_from_the_step_and_are_written_at_their_positions(tmp_path, monkeypatch):
@@ -342,7 +348,7 @@ def test_decode_rows_take_their_tokens_from_the_step_and_are_written_at_their_po
             range(0, 2), [("a", 0, 1, None, spec, 3 + step), ("b", 1, 1, None, other, 5 + step)], None,
             values={"m.output": decode}, wants_ids=True, ids=torch.tensor([token, other_token], dtype=torch.int32)))
     written = writer.submit("commit", ("g", False))
-    assert written["rows"] == 7 and written["prompts"] == {2: 2, 4: 5}
+    assert written["rows"] == 7 and written["prompts"] == {2: 2, 4: 5} and written["replayed"] == 0
     data = load_file(str(tmp_path / "g.safetensors"))
     assert data["prompt_index"].tolist() == [2, 2, 4, 4, 4, 4, 4]
     assert data["position"].tolist() == [5, 6, 0, 1, 2, 3, 4]
