@@ -99,9 +99,10 @@ def generated_rows(blocks: list[DecodeBlock], prompt_lengths: dict[int, int]) ->
     keep = torch.ones_like(key, dtype=torch.bool)
     keep[1:] = key[1:] != key[:-1]
     if prompt_lengths:
-        lengths = torch.tensor([prompt_lengths.get(int(i), 0) for i in range(int(index.max()) + 1)],
-                               dtype=torch.int64)
-        keep &= position[order] >= lengths[index[order]]
+        # indices are the dataset's (a part's may be in the millions): look up only the ones present
+        present, which = torch.unique(index[order], return_inverse=True)
+        lengths = torch.tensor([prompt_lengths.get(int(i), 0) for i in present.tolist()], dtype=torch.int64)
+        keep &= position[order] >= lengths[which]
     order = order[keep]
     rows = {"index": index[order], "position": position[order],
             "token_ids": torch.cat([b.ids for b in blocks]).to(torch.int64)[order]}

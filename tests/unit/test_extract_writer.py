@@ -324,6 +324,11 @@ def test_generated_rows_sort_by_prompt_then_position_each_position_once():
     assert got["token_ids"].tolist() == [3, 4, 5, 6, 13, 14, 15]
     assert got["m"][:, 0].tolist() == [1, 2, 3, 4, 1, 2, 4]
     assert extract_rows.generated_rows([], {}) is None
+    # a dataset's indices (a part of prompts 5,000,000 and 5,000,001): the same rows
+    far = [extract_rows.DecodeBlock(b.index + 5_000_000, b.position, b.ids, b.values) for b in blocks]
+    again = extract_rows.generated_rows(far, prompt_lengths={5_000_000: 3, 5_000_001: 3})
+    assert (again["index"] - 5_000_000).tolist() == got["index"].tolist()
+    assert again["position"].tolist() == got["position"].tolist()
     # the whole part: each prompt's 3 rows, then its generated ones; 6 captured rows replayed, not written
     prompts = [(i, 0, [0, 1, 2], {"m": torch.zeros(3, 2)}) for i in (1, 0)]
     columns, order, counts, locations, replayed = extract_rows.part_columns(prompts, blocks)
