@@ -72,7 +72,7 @@ class RemoteEngine:
         self.engine = deployment.engine
         self.merges = deployment.merges
         self.name = deployment.name
-        self.module_names: frozenset[str] | None = None  # the model's module paths (RayVLLM's meta tree), if known
+        self.module_names: tuple[str, ...] | None = None  # the model's module paths (RayVLLM's meta tree), if known
         self._records: Any = None
         self.records()  # now, while the engine can answer: a dead one cannot say who its ranks were
 
@@ -426,7 +426,7 @@ class RayVLLM(LocalVLLM):
         if self.taps:
             self._resolve_taps(meta_model)  # a pattern naming no module fails here; the ranks resolve their own
         self.vllm_entrypoint = RemoteEngine(deploy.wait_started(self._deployment))
-        self.vllm_entrypoint.module_names = frozenset(name for name, _ in meta_model.named_modules())
+        self.vllm_entrypoint.module_names = tuple(name for name, _ in meta_model.named_modules())
         return meta_model
 
     @property

@@ -54,7 +54,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -364,10 +364,11 @@ def discard(part: str) -> None:
     writer().queue.put(("discard", part, None))
 
 
-def check_locations(locations: list[str], modules: "frozenset[str] | None") -> None:
+def check_locations(locations: list[str], modules: "Sequence[str] | None") -> None:
     """Refuse, before any prompt is sent, a location extraction cannot keep: not a module's ``.output``,
     or (when the model's module paths are known) a module the model does not have."""
     from ..errors import RequestError
+    from .module_paths import missing_module
 
     if not locations:
         raise RequestError("extraction needs at least one location, such as 'model.layers.0.output'")
@@ -376,10 +377,9 @@ def check_locations(locations: list[str], modules: "frozenset[str] | None") -> N
         if attribute != "output" or not path:
             raise RequestError(f"extraction keeps module outputs: {location!r} is not '<module>.output' "
                                "(a trace reads anything else)")
-        if modules is not None and path not in modules:
-            near = sorted(m for m in modules if m.rpartition(".")[0] == path.rpartition(".")[0])[:8]
-            raise RequestError(f"extraction location {location!r}: the model has no module {path!r}"
-                               + (f" (beside it: {', '.join(near)})" if near else ""))
+        problem = missing_module(modules, path) if modules is not None else None
+        if problem is not None:
+            raise RequestError(f"extraction location {location!r}: {problem}")
 
 
 class ExtractTapsInterleaver:
@@ -425,7 +425,7 @@ class ExtractRunnerMixin:
         tokens = scheduler_output.num_scheduled_tokens
         # Requests whose generated tokens are recorded too, running in this step (a decode step's row each).
         generating = self._extract_generating
-        decoding = {rid for rid in generating if rid in tokens} if generating else set()
+        decoding = generating.keys() & tokens.keys() if generating else set()
         asking = {}
         for data in scheduler_output.scheduled_new_reqs:
             params = data.sampling_params
@@ -458,10 +458,10 @@ class ExtractRunnerMixin:
         if not decoding:
             return ANY
         graph = getattr(self, "_nnsight_ray_graph", None) or {}
-        taps = graph.get("taps") if graph.get("graphs") else None
-        root = self.nnsight_model.path  # type: ignore[attr-defined]
+        if not (taps := graph.get("taps") if graph.get("graphs") else None):
+            return EAGER
         wanted = {loc for rid in decoding for loc in self._extract_generating[rid]["locations"]}
-        if not taps or any((f"{root}.{loc}" if root else loc) not in taps for loc in wanted):
+        if any(self._extract_tap_name(loc) not in taps for loc in wanted):
             return EAGER
         interleaver = self.nnsight_model.interleaver  # type: ignore[attr-defined]
         if extend(interleaver, ExtractTapsInterleaver):  # outermost: after the snapshot's replay (``snapshot``)
@@ -472,10 +472,14 @@ class ExtractRunnerMixin:
         """A tap replayed in a breakable graph (``ExtractTapsInterleaver``): this step's rows of it, if asked."""
         if self._extract_step is None:
             return
-        root = self.nnsight_model.path  # type: ignore[attr-defined]
-        take = self._extract_takes.get(location[len(root) + 1:] if root else location)
-        if take is not None:
+        if (take := self._extract_takes.get(self._extract_tap_name(location, back=True))) is not None:
             take(live)
+
+    def _extract_tap_name(self, location: str, back: bool = False) -> str:
+        """A location as a tap names it (the envoy's path from the root); ``back``: a tap's name as a location."""
+        if not (root := self.nnsight_model.path):  # type: ignore[attr-defined]
+            return location
+        return location[len(root) + 1:] if back else f"{root}.{location}"
 
     def _extract_plan(self, scheduler_output: Any, asking: dict[str, tuple[Any, dict]], decoding: set[str]) -> None:
         tokens = scheduler_output.num_scheduled_tokens

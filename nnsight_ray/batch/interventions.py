@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import BatchConfigError
+from .._internal.module_paths import missing_module
 
 if TYPE_CHECKING:
     import torch
@@ -126,7 +127,7 @@ def resolve_saves(module: "torch.nn.Module", saves: Sequence["SaveSpec"]) -> tup
         if path is None:
             keyed.append((float(len(names) + 1), index, SaveRead(spec.location, None, "logits", spec.tokens)))
             continue
-        _require_module(module, path, f"saves.{index}.location {spec.location!r}")
+        _require_module(names, path, f"saves.{index}.location {spec.location!r}")
         if spec.attribute == "input":
             key = float(position[path])
         else:
@@ -137,21 +138,12 @@ def resolve_saves(module: "torch.nn.Module", saves: Sequence["SaveSpec"]) -> tup
     return tuple(read for _, _, read in sorted(keyed, key=lambda item: item[:2]))
 
 
-def _require_module(root: "torch.nn.Module", path: str, where: str) -> None:
-    module, walked = root, []
-    for part in path.split("."):
-        children = dict(module.named_children())
-        if part not in children:
-            owner = f"'{'.'.join(walked)}'" if walked else "the model"
-            shown = list(children)
-            listing = ", ".join(shown[:12]) + (", ..." if len(shown) > 12 else "")
-            raise BatchConfigError(
-                f"{where}: {owner} has no submodule {part!r}"
-                + (f" (its children: {listing})" if shown else " (it has no children)")
-                + "; paths follow nnsight's module tree of the vLLM model, e.g. 'model.layers.0.output'"
-            )
-        module = children[part]
-        walked.append(part)
+def _require_module(names: Sequence[str], path: str, where: str) -> None:
+    problem = missing_module(names, path)
+    if problem is not None:
+        raise BatchConfigError(
+            f"{where}: {problem}; paths follow nnsight's module tree of the vLLM model, e.g. 'model.layers.0.output'"
+        )
 
 
 def load_intervention(path: str | Path) -> tuple[Callable, str]:

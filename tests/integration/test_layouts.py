@@ -292,7 +292,7 @@ def test_extraction_of_generated_tokens_equals_a_prefill_of_the_whole_sequence(e
     # a location the model does not have is refused before any prompt is sent, naming what is there
     from nnsight_ray.errors import RequestError
 
-    with pytest.raises(RequestError, match="no module 'model.layers.9'"):
+    with pytest.raises(RequestError, match="'model.layers' has no submodule '9'"):
         model.vllm_entrypoint.extract_async(PROMPTS, "part-bad", str(tmp_path), ["model.layers.9.output"])
 
 

@@ -392,13 +392,15 @@ def test_locations_extraction_cannot_keep_are_refused_before_a_prompt_is_sent():
 
     from nnsight_ray.errors import RequestError
 
-    modules = frozenset({"model", "model.layers", "model.layers.0", "model.layers.1", "model.layers.1.mlp"})
+    modules = ("", "model", "model.layers", "model.layers.0", "model.layers.1", "model.layers.1.mlp")
     extract.check_locations(["model.layers.1.output", "model.layers.1.mlp.output"], modules)
     extract.check_locations(["model.layers.9.output"], None)  # nothing known of the model: only the form
     for locations, needle in ((["model.layers.1.input"], "is not '<module>.output'"),
                               (["output"], "is not '<module>.output'"),
                               ([], "at least one location"),
-                              (["model.layers.9.output"], "no module 'model.layers.9' (beside it: model.layers.0, "
-                                                          "model.layers.1)")):
+                              (["model.layers.9.output"], "'model.layers' has no submodule '9' (its children: 0, 1)"),
+                              (["model.layers.1.attn.output"], "'model.layers.1' has no submodule 'attn' "
+                                                               "(its children: mlp)"),
+                              (["decoder.output"], "the model has no submodule 'decoder' (its children: model)")):
         with pytest.raises(RequestError, match=re.escape(needle)):
             extract.check_locations(locations, modules)
