@@ -519,7 +519,7 @@ class ExtractRunnerMixin:
             staging = writer().host.mode
             if torch.device(device).type == "cuda" and staging in ("ring", "pool"):
                 largest = self._extract_largest(self._extract_step.dtype)
-                locations = len({loc for *_, spec in requests for loc in spec["locations"]
+                locations = len({loc for request in requests for loc in request[4]["locations"]
                                  if self._extract_hooks.get(loc) is not None})
                 if staging == "ring":  # RING_MB, or twice the largest step at every asked location if larger
                     writer().host.ensure_ring(max(RING_MB << 20, 2 * largest * locations))

@@ -404,3 +404,36 @@ def test_locations_extraction_cannot_keep_are_refused_before_a_prompt_is_sent():
                               (["decoder.output"], "the model has no submodule 'decoder' (its children: model)")):
         with pytest.raises(RequestError, match=re.escape(needle)):
             extract.check_locations(locations, modules)
+
+
+def test_a_cuda_step_sizes_the_hosts_staging_by_the_locations_its_requests_ask_for(monkeypatch):
+    """The step plan on a CUDA rank (ring or pool staging) with a prompt and a decoding request in one step:
+    the host's staging is sized for the distinct locations this rank captures (found on the H200 in session
+    29: a decode entry's extra field broke this path, which no CPU run takes)."""
+    from types import SimpleNamespace
+
+    sized = []
+    host = SimpleNamespace(mode="pool", ensure_slabs=lambda largest, count: sized.append((largest, count)))
+    monkeypatch.setattr(extract, "writer", lambda: SimpleNamespace(host=host))
+    monkeypatch.setattr(extract, "row_index", lambda spans, device: spans)  # no CUDA here
+
+    class Runner(extract.ExtractRunnerMixin):
+        device = "cuda"
+        input_batch = SimpleNamespace(req_ids=["prompt", "decoding", "plain"])
+        requests = {"decoding": SimpleNamespace(num_computed_tokens=7)}
+        model_config = SimpleNamespace(get_hidden_size=lambda: 16, dtype=torch.float16)
+        scheduler_config = SimpleNamespace(max_num_batched_tokens=32)
+
+    runner = Runner()
+    runner._extract_steps = 0
+    runner._extract_hooks = {"model.layers.0.output": object(), "model.layers.1.output": object(),
+                             "model.layers.9.output": None}  # another stage's layer: not captured here
+    runner._extract_generating = {"decoding": {"locations": ["model.layers.1.output"], "generated": True}}
+    prompt = SimpleNamespace(prompt_token_ids=[1, 2, 3])
+    asking = {"prompt": (prompt, {"locations": ["model.layers.0.output", "model.layers.9.output"]})}
+    scheduled = SimpleNamespace(num_scheduled_tokens={"prompt": 3, "decoding": 1, "plain": 1})
+    runner._extract_plan(scheduled, asking, {"decoding"})
+    step = runner._extract_step
+    assert [r[:4] for r in step.requests] == [("prompt", 0, 3, [1, 2, 3]), ("decoding", 3, 1, None)]
+    assert step.requests[1][5] == 7 and step.wants_ids and step.rows == [(0, 3), (3, 1)]
+    assert sized == [(32 * 16 * 2, 2)]  # a full batch of fp16 rows, for layers 0 and 1
