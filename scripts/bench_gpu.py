@@ -126,7 +126,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # vLLM's V2 runner hung at start for plain vLLM on the GPU host; nnsight uses V1 (docs/gpu.md).
@@ -196,6 +196,13 @@ class Bench:
         self.extract_texts = extract_prompts(args.extract_prompts, args.extract_len)
         self.model = None
         self.llm = None
+        self.untimed: list[Callable[[], None]] = []  # a run's diagnostics, done after its clock stops
+
+    def after_run(self) -> None:
+        """The last run's diagnostics (resident memory, the ranks' gauges): outside the timed region."""
+        pending, self.untimed = self.untimed, []
+        for report in pending:
+            report()
 
     # engines
 
@@ -496,13 +503,17 @@ class Bench:
         rows, saved = sum(w["rows"] for w in written), sum(w["bytes"] for w in written)
         expect(rows == ran, f"{rows} rows written for {ran} tokens run")
         expect(saved >= rows * len(locations) * self.hidden * 2, f"{saved} bytes for {rows} rows")
-        print(f"[{self.engine}] shards: {len(written)} files, {saved / 1e6:,.0f} MB; RSS MB "
-              + ", ".join(f"{name} {mb:,.0f}" for name, mb in resident().items()), flush=True)
-        try:  # a diagnostic: an older tree (--tree) has no such call
-            held = engine.collective_rpc("nnsight_ray_extract_memory")
-            print(f"[{self.engine}] shards: ranks hold {held}", flush=True)
-        except Exception as error:  # noqa: BLE001
-            print(f"[{self.engine}] shards: no extraction memory gauge ({type(error).__name__})", flush=True)
+
+        def report() -> None:  # after the run's clock stops: a scan of the host's processes and an RPC
+            print(f"[{self.engine}] shards: {len(written)} files, {saved / 1e6:,.0f} MB; RSS MB "
+                  + ", ".join(f"{name} {mb:,.0f}" for name, mb in resident().items()), flush=True)
+            try:  # a diagnostic: an older tree (--tree) has no such call
+                held = engine.collective_rpc("nnsight_ray_extract_memory")
+                print(f"[{self.engine}] shards: ranks hold {held}", flush=True)
+            except Exception as error:  # noqa: BLE001
+                print(f"[{self.engine}] shards: no extraction memory gauge ({type(error).__name__})", flush=True)
+
+        self.untimed.append(report)
         return rows, saved
 
 
@@ -550,6 +561,7 @@ def child(args: argparse.Namespace) -> None:
             with turn(workload):
                 before()
                 run()  # warm-up (and the first check)
+                bench.after_run()
             modes_before = bench.step_modes()
             times, amounts, timelines = [], None, []
             for _ in range(args.repeats):
@@ -559,6 +571,7 @@ def child(args: argparse.Namespace) -> None:
                     amounts = run()
                     times.append(time.perf_counter() - began)
                     timelines.append(bench.timeline(mono, time.monotonic()))  # untimed, between runs
+                    bench.after_run()
             timeline = timelines[-1]
             slowest = max(range(len(times)), key=times.__getitem__)
             median = statistics.median(times)
@@ -675,6 +688,7 @@ def profile(bench: Bench, top: int, workloads: list[str]) -> None:
         profiler.enable()
         getattr(bench, "run_" + workload.replace("-", "_"))()
         profiler.disable()
+        bench.after_run()
         out = io.StringIO()
         stats = pstats.Stats(profiler, stream=out)
         stats.sort_stats("tottime").print_stats(top)
@@ -698,6 +712,7 @@ def kernel_profile(bench: Bench, args: argparse.Namespace) -> None:
         began = time.perf_counter()
         run()
         took = time.perf_counter() - began
+        bench.after_run()
         if hasattr(entry, "start_profile"):
             entry.stop_profile()
         else:
@@ -784,6 +799,7 @@ def spy(bench: Bench, args: argparse.Namespace) -> None:
             began = time.perf_counter()
             run()
             runs.append(time.perf_counter() - began)
+            bench.after_run()
         for _, _, proc in spies:
             proc.wait()
         print(f"\nSPY {bench.engine} {workload}: {len(runs)} runs under py-spy, "
