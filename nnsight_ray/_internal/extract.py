@@ -59,7 +59,7 @@ from typing import Any, Sequence
 import torch
 
 from .classes import extend
-from .extract_rows import DecodeBlock, capture, part_columns, row_index
+from .extract_rows import DecodeBlock, StepRequest, capture, part_columns, row_index
 from .host_memory import (RING_MB, STAGING, STAGINGS, Staging, _mapped, host_buffer, release_freed_memory,
                           release_pinned_cache)
 from .safetensors_io import FORMAT, write_safetensors
@@ -111,9 +111,7 @@ class StepCapture:
     """One step's extraction: which rows, and the host copies of each location's rows."""
 
     rows: "torch.Tensor | range"  # flattened-batch rows of every captured token (``row_index``)
-    # (request id, first row, tokens, ids, spec, position of its first token); ids None: a decode step's
-    # rows, whose tokens are read from the forward's own input ids (``ids``)
-    requests: list[tuple[str, int, int, list[int] | None, dict[str, Any], int]]
+    requests: list[StepRequest]  # each request's rows in it (ids None: a decode step's, read from ``ids``)
     dtype: torch.dtype | None
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     wants_ids: bool = False  # a decode step's rows are in it: their tokens are read from the forward's input
@@ -496,7 +494,7 @@ class ExtractRunnerMixin:
             if rid in asking:
                 data, spec = asking[rid]
                 spans.append((start, count))
-                requests.append((rid, captured, count, list(data.prompt_token_ids or []), spec, 0))
+                requests.append(StepRequest(rid, captured, count, list(data.prompt_token_ids or []), spec, 0))
                 captured += count
                 dtype = spec.get("dtype") or dtype
                 for location in spec["locations"]:
@@ -506,7 +504,7 @@ class ExtractRunnerMixin:
                 # Its tokens' ids are the forward's own input ids (the hook reads them): a decode step's
                 # token is the one sampled last step, which with async scheduling only the device holds.
                 spans.append((start, count))
-                requests.append((rid, captured, count, None, spec, int(states[rid].num_computed_tokens)))
+                requests.append(StepRequest(rid, captured, count, None, spec, int(states[rid].num_computed_tokens)))
                 captured += count
                 dtype = spec.get("dtype") or dtype
             start += count
@@ -515,11 +513,11 @@ class ExtractRunnerMixin:
             self._extract_steps += 1
             self._extract_step = StepCapture(row_index(spans, device), requests,
                                              DTYPES.get(dtype) if dtype else None, step=self._extract_steps,
-                                             wants_ids=any(r[3] is None for r in requests))
+                                             wants_ids=any(r.ids is None for r in requests))
             staging = writer().host.mode
             if torch.device(device).type == "cuda" and staging in ("ring", "pool"):
                 largest = self._extract_largest(self._extract_step.dtype)
-                locations = len({loc for request in requests for loc in request[4]["locations"]
+                locations = len({loc for request in requests for loc in request.spec["locations"]
                                  if self._extract_hooks.get(loc) is not None})
                 if staging == "ring":  # RING_MB, or twice the largest step at every asked location if larger
                     writer().host.ensure_ring(max(RING_MB << 20, 2 * largest * locations))

@@ -11,7 +11,7 @@ not per row.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,6 +58,19 @@ def row_index(spans: list[tuple[int, int]], device: Any) -> "torch.Tensor | rang
     if torch.device(device).type == "cuda":
         return rows.pin_memory().to(device, non_blocking=True)
     return rows.to(device)
+
+
+class StepRequest(NamedTuple):
+    """One request's rows in a step's capture: where they start among the captured rows, how many, their
+    token ids (None: a decode step's, read from the forward's own input ids), its extraction spec, and the
+    position of its first row."""
+
+    rid: str
+    first: int
+    count: int
+    ids: list[int] | None
+    spec: dict[str, Any]
+    position: int
 
 
 @dataclass
