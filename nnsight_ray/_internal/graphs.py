@@ -24,8 +24,10 @@ A cache outlives its block (it records every step until its request ends), so
 it is the interleaver's observers that say what it needs, not the block.
 
 Steps vLLM runs eagerly anyway (a batch larger than any graph) serve every
-location too, taps or not. ``step_need`` is the rule (unit-tested on the CPU);
-``StepModes`` counts which way each step ran (``RayVLLM.step_modes()``).
+location too, taps or not. At ``pipeline_parallel_size > 1`` no tap is served
+from a graph (``served_taps``): a step a block reads in runs eagerly there.
+``step_need`` is the rule (unit-tested on the CPU); ``StepModes`` counts which
+way each step ran (``RayVLLM.step_modes()``).
 
 What a replayed step cannot do: serve an untapped location a block asks for
 *after* a tap within that same step (it was decided before the block got
@@ -80,9 +82,6 @@ def engine_mode(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if taps and any(".source." in tap for tap in taps):
         raise RequestError(f"taps={taps!r}: a tap inside a module's forward (.source.) is LocalVLLM-only "
                            "for now; tap a module's .input or .output")
-    if taps and int(kwargs.get("pipeline_parallel_size") or 1) > 1:
-        raise RequestError("taps with pipeline_parallel_size > 1 are not supported yet; "
-                           "enforce_eager=False (graphs on the steps no block needs) is")
     graphs = bool(taps) or asked is False
     if asked is None and not taps:
         return kwargs, []  # the nnsight default (eager) applies, with its reason (parity.py)
@@ -94,6 +93,18 @@ def engine_mode(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         changed.append("VLLM_USE_BREAKABLE_CUDAGRAPH=1 (graphs without torch.compile, so an eager step runs "
                        "every hook; taps are recorded into the graphs)")
     return kwargs, changed
+
+
+def served_taps(resolved: frozenset, graphs: bool, stages: int) -> frozenset:
+    """The taps a rank serves from breakable graphs: ``resolved`` on a graph engine of one pipeline stage.
+
+    None where no graph replays (a CPU engine: every step is eager and serves every location), and none
+    at ``pipeline_parallel_size > 1``: there a step in which a block reads runs eagerly, as with
+    ``enforce_eager=False``, since the stages' hand-off of served values (``pipeline``) has not run inside
+    a breakable graph on any GPU yet. Taps are accepted there and keep nnsight's meaning (every tapped
+    location is served, and an untapped one too); only the breakable-graph speed is not had.
+    """
+    return resolved if graphs and stages == 1 else frozenset()
 
 
 def strongest(*needs: str) -> str:
@@ -183,17 +194,17 @@ class GraphStepsRunnerMixin:
         model = self.nnsight_model  # type: ignore[attr-defined]
         interleaver = model.interleaver
         patterns = (self.vllm_config.additional_config or {}).get(TAPS_KEY) or ()  # type: ignore[attr-defined]
+        resolved: frozenset = frozenset()
         if patterns:
             # nnsight's own resolution, on this rank's tree (the client checked the patterns on its meta tree).
             model.taps = tuple(patterns)
-            interleaver.taps = frozenset(model._resolve_taps(self.get_model()))  # type: ignore[attr-defined]
+            resolved = frozenset(model._resolve_taps(self.get_model()))  # type: ignore[attr-defined]
         mode = self.compilation_config.cudagraph_mode  # type: ignore[attr-defined]
         graphs = mode is not None and mode != CUDAGraphMode.NONE
         if graphs:
             extend(self.cudagraph_dispatcher, _NoFullDispatch)  # type: ignore[attr-defined]
-        else:
-            # No graph will ever replay (a CPU engine): every step is eager and serves every location.
-            interleaver.taps = frozenset()
+        interleaver.taps = served_taps(resolved, graphs,
+                                       self.vllm_config.parallel_config.pipeline_parallel_size)  # type: ignore[attr-defined]
         self._nnsight_ray_graph = {
             "graphs": graphs,
             "taps": frozenset(getattr(interleaver, "taps", ())),

@@ -9,7 +9,7 @@ by layout and shuts each engine down before the next starts):
 
 - ``tp2``: the session's TP=2 RayVLLM, ranks on two raylets (STRICT_SPREAD), with ``taps``;
 - ``pp2``: RayVLLM, PP=2 on two raylets (STRICT_SPREAD), ``enforce_eager=False``;
-- ``tp2pp2``: RayVLLM, TP=2 x PP=2 (SPREAD);
+- ``tp2pp2``: RayVLLM, TP=2 x PP=2 (SPREAD), with ``taps`` (at PP > 1 a block's step runs eagerly);
 - ``pp3``: ``LocalVLLM(distributed_executor_backend="ray")``, PP=3, whose middle
   stage both receives recordings and sends them on (layers 0 | 1-2 | 3).
 
@@ -50,7 +50,9 @@ LAYOUTS = {
     # A graph engine (issue 23): on the CPU build no graph is captured, so every step is eager, and every
     # location, tapped or not, is served as on an eager engine; these tests check the mode's plumbing.
     "pp2": dict(pipeline_parallel_size=2, placement_strategy="STRICT_SPREAD", enforce_eager=False),
-    "tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2, placement_strategy="SPREAD"),
+    # taps at TP x PP (issue 23: taps at any layout): a block's step runs eagerly there (graphs.served_taps).
+    "tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2, placement_strategy="SPREAD",
+                   taps=["model.layers.*.output"]),
     "pp3": dict(pipeline_parallel_size=3, placement_strategy="SPREAD"),
 }
 # The layouts each group of tests runs on (by value: pytest sets each engine up once).
@@ -319,9 +321,10 @@ def test_registered_block_reads_first_and_last_stage(engine, local_llama):
     assert counts == [0] * len(counts)
 
 
-@pytest.mark.parametrize("engine", ["tp2", "pp2"], indirect=True, scope="module")
+@pytest.mark.parametrize("engine", ["tp2", "pp2", "tp2pp2"], indirect=True, scope="module")
 def test_graph_modes_count_every_step_on_every_rank(engine):
-    """Graph engines (tp2: taps, pp2: enforce_eager=False) report how steps ran: on the CPU build, all eagerly.
+    """Graph engines (tp2 and tp2pp2: taps, pp2: enforce_eager=False) report how steps ran: on the CPU build,
+    all eagerly.
 
     (Placed before the kill tests, which shut pp2 down.)
     """

@@ -32,11 +32,18 @@ def test_taps_ride_additional_config_beside_the_users_own():
     assert kwargs["additional_config"] == {"mine": 1, TAPS_KEY: ["model.layers.*.output"]}
 
 
+def test_taps_are_accepted_at_any_pipeline_size():
+    # At PP > 1 a block's step runs eagerly (graphs.served_taps); the taps still ride to the ranks.
+    kwargs, _ = engine_mode({"taps": ["model.layers.*.output"], "pipeline_parallel_size": 2,
+                             "tensor_parallel_size": 2})
+    assert kwargs["enforce_eager"] is False and kwargs["pipeline_parallel_size"] == 2
+    assert kwargs["additional_config"][TAPS_KEY] == ["model.layers.*.output"]
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"taps": ["model.layers.*.output"], "enforce_eager": True}, "contradicts taps"),
     ({"taps": [3]}, "taps must be strings"),
     ({"taps": ["model.layers.0.self_attn.source.x.output"]}, "LocalVLLM-only"),
-    ({"taps": ["model.layers.*.output"], "pipeline_parallel_size": 2}, "pipeline_parallel_size > 1"),
 ])
 def test_contradictions_are_refused_in_words(kwargs, words):
     with pytest.raises(RequestError, match=words):

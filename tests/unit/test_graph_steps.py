@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 from nnsight.intervention.interleaver import Event, Pending
 
-from nnsight_ray._internal.graphs import ANY, EAGER, PIECEWISE, StepModes, _count_unvisited, step_need
+from nnsight_ray._internal.graphs import (ANY, EAGER, PIECEWISE, StepModes, _count_unvisited, served_taps,
+                                          step_need)
 
 TAPS = frozenset({"model.model.layers.1.output", "model.model.layers.2.output"})
 OUTSIDE = frozenset({"model.logits", "model.samples", "model.result"})
@@ -26,6 +27,16 @@ def test_no_live_block_lets_vllm_choose_full_graphs():
 def test_blocks_parked_only_on_taps_get_piecewise_graphs():
     assert step_need([parked("model.model.layers.1.output"), parked("model.model.layers.2.output")],
                      TAPS, OUTSIDE) == PIECEWISE
+
+
+def test_taps_are_served_from_graphs_only_on_a_graph_engine_of_one_stage():
+    assert served_taps(TAPS, graphs=True, stages=1) == TAPS
+    assert served_taps(TAPS, graphs=False, stages=1) == frozenset()  # the CPU build: every step eager
+    # PP > 1: no tap is served from a graph, so a block's read makes its step eager, as enforce_eager=False does
+    served = served_taps(TAPS, graphs=True, stages=2)
+    assert served == frozenset()
+    assert step_need([parked("model.model.layers.1.output")], served, OUTSIDE) == EAGER
+    assert step_need([parked("model.logits")], served, OUTSIDE) == ANY
 
 
 def test_a_block_waiting_on_logits_or_samples_needs_no_eager_forward():
