@@ -194,7 +194,8 @@ class GraphStepsRunnerMixin:
         model = self.nnsight_model  # type: ignore[attr-defined]
         interleaver = model.interleaver
         patterns = (self.vllm_config.additional_config or {}).get(TAPS_KEY) or ()  # type: ignore[attr-defined]
-        resolved: frozenset = frozenset()
+        # LocalVLLM's come resolved through nnsight's own route (its ``nnsight_taps``): the interleaver has them.
+        resolved = frozenset(getattr(interleaver, "taps", ()))
         if patterns:
             # nnsight's own resolution, on this rank's tree (the client checked the patterns on its meta tree).
             model.taps = tuple(patterns)

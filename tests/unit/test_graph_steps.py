@@ -39,6 +39,48 @@ def test_taps_are_served_from_graphs_only_on_a_graph_engine_of_one_stage():
     assert step_need([parked("model.logits")], served, OUTSIDE) == ANY
 
 
+def _loaded_rank(mode, stages, patterns=(), nnsight_taps=frozenset()):
+    """``GraphStepsRunnerMixin.load_model`` over stand-ins for nnsight's runner (no engine): the taps it leaves."""
+    from nnsight.modeling.vllm.interleaver import VLLMInterleaver
+
+    from nnsight_ray._internal.graphs import TAPS_KEY, GraphStepsRunnerMixin
+
+    class Dispatcher:
+        def dispatch(self, *args, **kwargs):
+            return kwargs
+
+    class NNsightRunner:
+        def load_model(self):
+            pass
+
+    class Runner(GraphStepsRunnerMixin, NNsightRunner):
+        pass
+
+    runner = Runner()
+    # nnsight's runner builds its interleaver with the taps LocalVLLM sends resolved (its own ``nnsight_taps``)
+    runner.nnsight_model = SimpleNamespace(path="model", interleaver=VLLMInterleaver(nnsight_taps), taps=(),
+                                           _resolve_taps=lambda module: tuple(sorted(TAPS)))
+    runner.get_model = lambda: None
+    runner.vllm_config = SimpleNamespace(additional_config={TAPS_KEY: list(patterns)} if patterns else {},
+                                         parallel_config=SimpleNamespace(pipeline_parallel_size=stages))
+    runner.compilation_config = SimpleNamespace(cudagraph_mode=mode)
+    runner.cudagraph_dispatcher = Dispatcher()
+    runner.load_model()
+    return runner._nnsight_ray_graph["taps"], runner.nnsight_model.interleaver.taps
+
+
+def test_a_rank_keeps_the_taps_of_either_route_on_a_graph_engine_of_one_stage():
+    from vllm.config import CUDAGraphMode
+
+    ray_taps = _loaded_rank(CUDAGraphMode.FULL_AND_PIECEWISE, 1, patterns=["model.layers.*.output"])
+    local_taps = _loaded_rank(CUDAGraphMode.FULL_AND_PIECEWISE, 1, nnsight_taps=TAPS)  # LocalVLLM: nnsight's route
+    assert ray_taps == local_taps == (TAPS, TAPS)
+    assert _loaded_rank(CUDAGraphMode.NONE, 1, nnsight_taps=TAPS) == (frozenset(), frozenset())  # the CPU build
+    assert _loaded_rank(CUDAGraphMode.FULL_AND_PIECEWISE, 2, nnsight_taps=TAPS) == (frozenset(), frozenset())
+    assert _loaded_rank(CUDAGraphMode.FULL_AND_PIECEWISE, 2, patterns=["model.layers.*.output"]) == (
+        frozenset(), frozenset())
+
+
 def test_a_block_waiting_on_logits_or_samples_needs_no_eager_forward():
     assert step_need([parked("model.logits"), parked("model.samples")], TAPS, OUTSIDE) == ANY
     assert step_need([parked("model.logits"), parked("model.model.layers.1.output")], TAPS, OUTSIDE) == PIECEWISE
