@@ -27,6 +27,10 @@ import torch
 # Small enough for a dozen ranks on one 24 GiB machine; the tiny model needs ~4 KiB/token.
 KV_BYTES = 64 << 20
 ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_BYTES)
+# The graph engines' taps (issue 23): every decoder layer's output, and one operation inside an attention's forward
+# (its output projection, whole on every tensor-parallel rank).
+SOURCE_TAP = "model.layers.0.self_attn.source.self_o_proj_0.output"
+TAPS = ["model.layers.*.output", SOURCE_TAP]
 
 
 @pytest.fixture(scope="session")
@@ -97,7 +101,8 @@ def session_engines(request, model_dir):
         "tp1": {"enforce_eager": True, "early_ranks": False},
         # taps (issue 23): a graph engine; on the CPU build every step runs eagerly and serves every location,
         # so every test on tp2 (layouts, batch, remote) also checks that untapped locations are served.
-        "tp2": {"tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD", "taps": ["model.layers.*.output"]},
+        # A tap inside a module's forward too (``.source.``), checked on the client's meta tree and opened on the ranks.
+        "tp2": {"tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD", "taps": TAPS},
     }, **ENGINE_KWARGS)
     yield models
     for model in models.values():

@@ -79,9 +79,6 @@ def engine_mode(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                            "Drop one of them.")
     if any(not isinstance(tap, str) for tap in taps):
         raise RequestError(f"taps must be strings such as 'model.layers.*.output', got {taps!r}")
-    if taps and any(".source." in tap for tap in taps):
-        raise RequestError(f"taps={taps!r}: a tap inside a module's forward (.source.) is LocalVLLM-only "
-                           "for now; tap a module's .input or .output")
     graphs = bool(taps) or asked is False
     if asked is None and not taps:
         return kwargs, []  # the nnsight default (eager) applies, with its reason (parity.py)
@@ -105,6 +102,42 @@ def served_taps(resolved: frozenset, graphs: bool, stages: int) -> frozenset:
     location is served, and an untapped one too); only the breakable-graph speed is not had.
     """
     return resolved if graphs and stages == 1 else frozenset()
+
+
+def sourced(taps: Iterable[str]) -> dict[str, set[str]]:
+    """The modules a tap reaches inside (``{module}.source.{op}.{side}``), each with the operations named."""
+    ops: dict[str, set[str]] = {}
+    for tap in taps:
+        module, inside, rest = tap.partition(".source.")
+        if inside:
+            ops.setdefault(module, set()).add(rest.rpartition(".")[0])
+    return ops
+
+
+def _under(envoy: Any, path: str) -> Any:
+    """The envoy at full ``path`` (``model.model.layers.0.self_attn``) in the tree rooted at ``envoy``."""
+    return envoy.get(path[len(envoy.path) + 1:]) if path != envoy.path else envoy
+
+
+def check_sourced(model: Any, taps: Iterable[str]) -> None:
+    """Refuse a tap naming an operation its module's forward does not have (the client's meta tree, before
+    any rank loads: the ranks would fail their load with nnsight's message)."""
+    for path, ops in sourced(taps).items():
+        names = _under(model, path).source.names
+        if missing := sorted(ops - set(names)):
+            raise ValueError(f"Tap on {path}.source: its forward has no operation {missing[0]!r}. "
+                             f"Its operations are {list(names)}.")
+
+
+def instrument_sourced(model: Any, taps: Iterable[str]) -> None:
+    """Open the forward of each module a tap reaches inside, nnsight's way (``VLLMInterleaver.instrument``
+    does it as nnsight's runner builds the tree, which on a RayVLLM rank is before its taps arrive); an
+    operation the forward lacks fails the load with nnsight's message. A pipeline stage's stand-in for a
+    module it does not hold has no forward to open."""
+    for path in sourced(taps):
+        envoy = _under(model, path)
+        if type(envoy._module).__name__ != "PPMissingLayer":
+            model.interleaver.instrument(envoy)
 
 
 def strongest(*needs: str) -> str:
@@ -194,18 +227,20 @@ class GraphStepsRunnerMixin:
         model = self.nnsight_model  # type: ignore[attr-defined]
         interleaver = model.interleaver
         patterns = (self.vllm_config.additional_config or {}).get(TAPS_KEY) or ()  # type: ignore[attr-defined]
+        stages = self.vllm_config.parallel_config.pipeline_parallel_size  # type: ignore[attr-defined]
         # LocalVLLM's come resolved through nnsight's own route (its ``nnsight_taps``): the interleaver has them.
         resolved = frozenset(getattr(interleaver, "taps", ()))
-        if patterns:
+        if patterns and stages == 1:  # a stage would not find what other stages hold, and serves no tap (served_taps)
             # nnsight's own resolution, on this rank's tree (the client checked the patterns on its meta tree).
             model.taps = tuple(patterns)
             resolved = frozenset(model._resolve_taps(self.get_model()))  # type: ignore[attr-defined]
+            interleaver.taps = resolved
+            instrument_sourced(model, resolved)
         mode = self.compilation_config.cudagraph_mode  # type: ignore[attr-defined]
         graphs = mode is not None and mode != CUDAGraphMode.NONE
         if graphs:
             extend(self.cudagraph_dispatcher, _NoFullDispatch)  # type: ignore[attr-defined]
-        interleaver.taps = served_taps(resolved, graphs,
-                                       self.vllm_config.parallel_config.pipeline_parallel_size)  # type: ignore[attr-defined]
+        interleaver.taps = served_taps(resolved, graphs, stages)
         self._nnsight_ray_graph = {
             "graphs": graphs,
             "taps": frozenset(getattr(interleaver, "taps", ())),

@@ -127,9 +127,12 @@ class HF:
     @torch.no_grad()
     def run_ids(self, token_ids: list, edit=None) -> dict:
         """``run`` on token ids (a prompt and the tokens an engine generated after it): every row is a position."""
-        record: dict = {"layers": [], "mlp_in": [], "mlp_out": []}
+        record: dict = {"layers": [], "mlp_in": [], "mlp_out": [], "attn_out": []}
         hooks = []
         for i, layer in enumerate(self.layers):
+            # the attention's output: its o_proj's (vLLM's ``self_attn.source.self_o_proj_0.output[0]``)
+            hooks.append(layer.self_attn.register_forward_hook(
+                lambda _m, _i, out: record["attn_out"].append(out[0][0].clone())))
             hooks.append(layer.register_forward_hook(
                 lambda _m, _i, out: record["layers"].append((out[0] if isinstance(out, tuple) else out)[0].clone())))
             hooks.append(layer.mlp.register_forward_pre_hook(

@@ -1,6 +1,6 @@
 """Graph modes (issue 23) on the GPU, against transformers on the same weights: raw saves, edits, fallbacks.
 
-Two engines: ``RayVLLM(taps=[layers.*.output, layers.*.mlp.output])`` (steps
+Two engines: ``RayVLLM(taps=[layers.*.output, layers.*.mlp.output, an o_proj inside layer 1's attention])`` (steps
 whose blocks wait only on taps replay breakable graphs; others run eagerly)
 and ``LocalVLLM(enforce_eager=False)`` (no taps: graphs on every step no block
 needs). Every save is raw (no clone): a value saved on a replayed step is
@@ -21,7 +21,9 @@ from .conftest import ENGINE_KWARGS, ON_GPU, TOL, assert_close
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 OTHER = "Hello, world!"
-TAPS = ["model.layers.*.output", "model.layers.*.mlp.output"]
+# and one operation inside a forward (``.source.``): layer 1's attention output projection
+SOURCE_TAP = "model.layers.1.self_attn.source.self_o_proj_0.output"
+TAPS = ["model.layers.*.output", "model.layers.*.mlp.output", SOURCE_TAP]
 STEPS = 4  # prefill + 3 decode steps
 GRAPH_KWARGS = dict(ENGINE_KWARGS, max_num_seqs=16)  # fewer graph sizes to capture: a faster start
 
@@ -79,15 +81,23 @@ class Modes:
             assert ok, self.ran
 
 
-def test_a_raw_save_at_decode_step_k_matches_transformers(graph_engine, hf):
+@pytest.mark.parametrize("where", ["layer", "inside"])
+def test_a_raw_save_at_decode_step_k_matches_transformers(graph_engine, hf, where):
+    """A tapped layer's output, or an operation inside a tapped forward (``.source.``; on RayVLLM since
+    session 30: layer 1's attention output projection), saved raw at decode step 2."""
     kind, model = graph_engine
     prompt_ids, generated = greedy(model, PROMPT)
     with Modes(model) as modes:
         with model.trace(PROMPT, max_tokens=STEPS, temperature=0.0, ignore_eos=True) as tracer:
             for _ in tracer.iter[2]:
-                out = model.model.layers[1].output.save()
-    want = hf.run_ids(prompt_ids + generated[:2])["layers"][1][-1]
-    assert_close((out[0] + out[1])[-1], want, what=f"{kind} layer 1 at decode step 2")
+                layer = model.model.layers[1]
+                out = (layer.output if where == "layer" else layer.self_attn.source.self_o_proj_0.output).save()
+    record = hf.run_ids(prompt_ids + generated[:2])
+    if where == "layer":
+        got, want = (out[0] + out[1])[-1], record["layers"][1][-1]
+    else:
+        got, want = out[0][-1], record["attn_out"][1][-1]
+    assert_close(got, want, what=f"{kind} layer 1 ({where}) at decode step 2")
     if kind == "ray_taps":  # the block waits on a tap every step: breakable graphs, then a full one
         modes.expect(modes.ran.get("piecewise", 0) >= 2 and "eager_for_block" not in modes.ran)
     else:  # no taps: eager while the block lives, graphs after it is done

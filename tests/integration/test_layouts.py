@@ -33,7 +33,7 @@ import pytest
 import ray
 import torch
 
-from conftest import ENGINE_KWARGS, assert_close, ray_engine, request_counts
+from conftest import ENGINE_KWARGS, TAPS, assert_close, ray_engine, request_counts
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +52,7 @@ LAYOUTS = {
     "pp2": dict(pipeline_parallel_size=2, placement_strategy="STRICT_SPREAD", enforce_eager=False),
     # taps at TP x PP (issue 23: taps at any layout): a block's step runs eagerly there (graphs.served_taps).
     "tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2, placement_strategy="SPREAD",
-                   taps=["model.layers.*.output"]),
+                   taps=TAPS),
     "pp3": dict(pipeline_parallel_size=3, placement_strategy="SPREAD"),
 }
 # The layouts each group of tests runs on (by value: pytest sets each engine up once).
@@ -335,6 +335,40 @@ def test_graph_modes_count_every_step_on_every_rank(engine):
     assert len(modes) == len(model.topology()), modes
     assert all(set(rank) == {"eager"} and rank["eager"] >= 3 for rank in modes), modes
     assert model.resolved_config()["config"]["model_config.enforce_eager"] == "False"
+
+
+@pytest.mark.parametrize("engine", ["tp2", "tp2pp2", "pp3"], indirect=True, scope="module")
+def test_a_tap_inside_a_modules_forward_is_served_at_prefill_and_decode(engine, ref):
+    """``taps`` naming an operation in a forward (``.source.``; tp2 and tp2pp2, RayVLLM: LocalVLLM-only before
+    session 30): the ranks open that forward at load, and a trace reads the operation at the prefill and the
+    next step as the single-device engine does (on the CPU build every step is eager). At PP > 1 (tp2pp2, and
+    pp3 without taps) the stages that do not hold layer 0 show its forward's operations through their
+    stand-in (``ownership.forward_templates``; before session 30 a ``.source`` read failed there)."""
+    name, model = engine
+
+    def run(m):
+        with m.trace(PROMPT, max_tokens=3, temperature=0.0) as tracer:
+            out = nnsight.save([])
+            for _ in tracer.iter[0:2]:
+                out.append(m.model.layers[0].self_attn.source.self_o_proj_0.output[0].clone())
+        return out
+
+    got, want = run(model), run(ref)
+    assert len(got) == len(want) == 2
+    for mine, theirs in zip(got, want):
+        assert_close(mine, theirs)
+
+
+def test_a_tap_on_an_operation_the_forward_lacks_is_refused_with_its_operations(ray_cluster, model_dir):
+    from nnsight_ray import RayVLLM
+
+    groups_before = live_placement_groups()
+    with pytest.raises(ValueError, match=r"no operation 'nope_0'.*self_o_proj_0"):
+        RayVLLM(model_dir, name="bad-tap", taps=["model.layers.0.self_attn.source.nope_0.output"],
+                **ENGINE_KWARGS)
+    # the engine launched beside the meta build is taken down
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("bad-tap.")]
+    assert live_placement_groups() <= groups_before
 
 
 def test_unsatisfiable_placement_fails_fast_with_what_was_asked(ray_cluster, model_dir):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from nnsight.intervention.interleaver import Event, Pending
 
 from nnsight_ray._internal.graphs import (ANY, EAGER, PIECEWISE, StepModes, _count_unvisited, served_taps,
-                                          step_need)
+                                          sourced, step_need)
 
 TAPS = frozenset({"model.model.layers.1.output", "model.model.layers.2.output"})
 OUTSIDE = frozenset({"model.logits", "model.samples", "model.result"})
@@ -79,6 +79,14 @@ def test_a_rank_keeps_the_taps_of_either_route_on_a_graph_engine_of_one_stage():
     assert _loaded_rank(CUDAGraphMode.FULL_AND_PIECEWISE, 2, nnsight_taps=TAPS) == (frozenset(), frozenset())
     assert _loaded_rank(CUDAGraphMode.FULL_AND_PIECEWISE, 2, patterns=["model.layers.*.output"]) == (
         frozenset(), frozenset())
+
+
+def test_sourced_taps_name_their_modules_and_operations():
+    taps = ["model.model.layers.0.output", "model.model.layers.0.self_attn.source.qkv_split_0.output",
+            "model.model.layers.0.self_attn.source.self_o_proj_0.input", "model.model.layers.1.mlp.source.act_0.output"]
+    assert sourced(taps) == {"model.model.layers.0.self_attn": {"qkv_split_0", "self_o_proj_0"},
+                             "model.model.layers.1.mlp": {"act_0"}}
+    assert sourced(["model.model.layers.0.output"]) == {}
 
 
 def test_a_block_waiting_on_logits_or_samples_needs_no_eager_forward():

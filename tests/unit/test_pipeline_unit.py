@@ -231,6 +231,35 @@ def test_persistent_objects_answer_for_any_module():
         stub(torch.ones(1))
 
 
+def test_a_stand_in_shows_the_operations_of_the_module_it_stands_for():
+    """``layers[0].self_attn.source`` on a stage that holds layers 1-: the stand-in's source is the forward of
+    the same place in a layer this stage holds, so a block names the same operations on every stage."""
+    from nnsight import NNsight
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    from nnsight_ray._internal.pipeline.ownership import forward_templates
+
+    class Attn(torch.nn.Module):
+        def forward(self, x):
+            y = torch.relu(x)
+            return torch.sigmoid(y) * 2
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = Attn()
+
+    root = torch.nn.Module()
+    root.layers = torch.nn.ModuleList([PPMissingLayer(), Layer()])
+    templates = forward_templates(NNsight(root))
+    assert templates == {("model.layers", ""): Layer.forward, ("model.layers", ".self_attn"): Attn.forward}
+    objects = StagePersistentObjects({}, templates)
+    stub = objects["Module:model.layers.0.self_attn"]
+    names = list(NNsight(Attn()).source.names)
+    assert list(NNsight(stub).source.names) == names and names[0] == "torch_relu_0"
+    assert objects["Module:model.other.self_attn"].forward.__func__ is StageStub.forward  # no place: the plain stand-in
+
+
 # --- messages -----------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,11 +172,19 @@ def module_tree(model: Any) -> dict[str, bool]:
 
 
 class StageStub(torch.nn.Module):
-    """Stands in for a module another pipeline stage holds, so blocks that name it deserialize here."""
+    """Stands in for a module another pipeline stage holds, so blocks that name it deserialize here.
 
-    def __init__(self, path: str) -> None:
+    ``body``: the forward of the module it stands for (``forward_templates``), which is what nnsight
+    reads for its ``.source`` (``module_body``: an instance forward bound to the module), so a block's
+    ``layers[0].self_attn.source.self_o_proj_0`` names the same operation on every stage; the owning
+    stage serves the value and the others replay or ghost it, as for ``.output``. Never called here.
+    """
+
+    def __init__(self, path: str, body: Any = None) -> None:
         super().__init__()
         self.nnsight_pp_path = path
+        if body is not None:
+            self.forward = types.MethodType(body, self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"{self.nnsight_pp_path} runs on another pipeline stage, not this one")
@@ -184,20 +193,43 @@ class StageStub(torch.nn.Module):
         return self.nnsight_pp_path
 
 
+def forward_templates(model: Any) -> dict[tuple[str, str], Any]:
+    """Per place in an indexed list (``("model.model.layers", ".self_attn")``), the class forward of the
+    module this stage holds there: the ``body`` of a stand-in for the same place in an item another stage
+    holds (``layers.0.self_attn`` on the stage that runs layers 2-3)."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    templates: dict[tuple[str, str], Any] = {}
+    for envoy in model.modules():
+        match = _INDEXED.match(envoy.path)
+        if match and not isinstance(envoy._module, PPMissingLayer):
+            templates.setdefault((match.group("parent"), match.group("rest")), type(envoy._module).forward)
+    return templates
+
+
 class StagePersistentObjects(dict):
     """The runner's persistent-object map, answering for modules other stages hold.
 
     nnsight's unpickler asks ``pid in objects`` and then ``objects[pid]``; a
-    ``Module:<path>`` this stage lacks resolves to a `StageStub`, built once.
+    ``Module:<path>`` this stage lacks resolves to a `StageStub`, built once,
+    with the forward of its place's template (``forward_templates``) if there is one.
     """
+
+    def __init__(self, objects: Any = (), templates: dict[tuple[str, str], Any] | None = None) -> None:
+        super().__init__(objects)
+        self.templates = templates or {}
 
     def __contains__(self, key: object) -> bool:
         return dict.__contains__(self, key) or (isinstance(key, str) and key.startswith("Module:"))
 
+    def stand_in(self, path: str) -> StageStub:
+        match = _INDEXED.match(path)
+        return StageStub(path, self.templates.get((match.group("parent"), match.group("rest"))) if match else None)
+
     def __missing__(self, key: str) -> Any:
         if not (isinstance(key, str) and key.startswith("Module:")):
             raise KeyError(key)
-        stub = self[key] = StageStub(key[len("Module:"):])
+        stub = self[key] = self.stand_in(key[len("Module:"):])
         return stub
 
 

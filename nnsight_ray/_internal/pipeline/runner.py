@@ -14,7 +14,7 @@ import pickle
 from typing import TYPE_CHECKING, Any, Optional
 
 from .ghosts import PipelineDependencyError, contains_ghost, ghost_free
-from .ownership import StagePersistentObjects, StageStub, build_stage_map, counted, module_tree
+from .ownership import StagePersistentObjects, build_stage_map, counted, forward_templates, module_tree
 from .serving import StageInterleaver, StageState
 from .wire import KEY, KEY_DATA, decode_message, encode_message
 
@@ -75,10 +75,11 @@ class StageRunnerMixin:
         stage_map.later = tuple(p for p in stage_map.later if counted(taps, p))
         state = StageState(map=stage_map, tp_size=get_tp_group().world_size)
         StageInterleaver.install(model.interleaver, state)
-        objects = StagePersistentObjects(self.nnsight_persistent_objects)  # type: ignore[attr-defined]
+        objects = StagePersistentObjects(self.nnsight_persistent_objects,  # type: ignore[attr-defined]
+                                         forward_templates(model))
         for path in stage_map.missing:
             if f"Module:{path}" not in dict.keys(objects):
-                objects[f"Module:{path}"] = StageStub(path)
+                objects[f"Module:{path}"] = objects.stand_in(path)
         self.nnsight_persistent_objects = objects
         self.nnsight_stage = state
         logger.info(
