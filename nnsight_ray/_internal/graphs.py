@@ -120,8 +120,8 @@ def _under(envoy: Any, path: str) -> Any:
 
 
 def check_sourced(model: Any, taps: Iterable[str]) -> None:
-    """Refuse a tap naming an operation its module's forward does not have (the client's meta tree, before
-    any rank loads: the ranks would fail their load with nnsight's message)."""
+    """Refuse a tap naming an operation its module's forward does not have, on the client's meta tree (a
+    rank would fail its load with nnsight's message, after the engine's whole start)."""
     for path, ops in sourced(taps).items():
         names = _under(model, path).source.names
         if missing := sorted(ops - set(names)):
@@ -130,14 +130,11 @@ def check_sourced(model: Any, taps: Iterable[str]) -> None:
 
 
 def instrument_sourced(model: Any, taps: Iterable[str]) -> None:
-    """Open the forward of each module a tap reaches inside, nnsight's way (``VLLMInterleaver.instrument``
-    does it as nnsight's runner builds the tree, which on a RayVLLM rank is before its taps arrive); an
-    operation the forward lacks fails the load with nnsight's message. A pipeline stage's stand-in for a
-    module it does not hold has no forward to open."""
+    """Open the forward of each module a tap reaches inside, nnsight's way (``VLLMInterleaver.instrument``,
+    which reads the interleaver's taps, does it as nnsight's runner builds the tree: on a RayVLLM rank,
+    before the taps arrive); an operation the forward lacks fails the load with nnsight's message."""
     for path in sourced(taps):
-        envoy = _under(model, path)
-        if type(envoy._module).__name__ != "PPMissingLayer":
-            model.interleaver.instrument(envoy)
+        model.interleaver.instrument(_under(model, path))
 
 
 def strongest(*needs: str) -> str:
@@ -234,7 +231,7 @@ class GraphStepsRunnerMixin:
             # nnsight's own resolution, on this rank's tree (the client checked the patterns on its meta tree).
             model.taps = tuple(patterns)
             resolved = frozenset(model._resolve_taps(self.get_model()))  # type: ignore[attr-defined]
-            interleaver.taps = resolved
+            interleaver.taps = resolved  # what instrument_sourced's nnsight call reads
             instrument_sourced(model, resolved)
         mode = self.compilation_config.cudagraph_mode  # type: ignore[attr-defined]
         graphs = mode is not None and mode != CUDAGraphMode.NONE

@@ -157,4 +157,17 @@ def _meta_module(model_path: str, engine_kwargs: dict[str, Any]) -> Any:
     # with the next one (each RayVLLM client builds its own meta tree).
     if meta._owns_distributed:
         VLLM._cleanup_distributed()
+    if taps := engine_kwargs.get("taps"):
+        _check_taps(meta, list(taps))
     return module
+
+
+def _check_taps(meta: Any, taps: list[str]) -> None:
+    """Each tap names a module of the tree, and each operation inside a forward one that forward has."""
+    from .._internal.graphs import check_sourced
+
+    meta.taps = tuple(taps)
+    try:
+        check_sourced(meta, meta._resolve_taps(module=meta._module))
+    except ValueError as error:
+        raise BatchConfigError(f"engine.engine_kwargs.taps: {error}") from None

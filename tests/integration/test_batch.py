@@ -499,6 +499,11 @@ def no_engines(monkeypatch):
          "unknown vLLM engine argument(s) 'max_model_lenght' (did you mean 'max_model_len'?)"),
         ({"engine": {"engine_kwargs": {"taps": ["model.layers.*.output"], "enforce_eager": True}}},
          "engine.engine_kwargs: enforce_eager=True contradicts taps"),
+        ({"engine": {"engine_kwargs": {"taps": ["model.layer.*.output"]}}},
+         "engine.engine_kwargs.taps: Tap 'model.layer.*.output' names no module"),
+        ({"engine": {"engine_kwargs": {"taps": ["model.layers.0.self_attn.source.nope_0.output"]}}},
+         "engine.engine_kwargs.taps: Tap on model.model.layers.0.self_attn.source: its forward has no operation "
+         "'nope_0'. Its operations are ['self_qkv_proj_0'"),
         ({"model": {"path": "/nonexistent/model"}}, "model.path '/nonexistent/model': no such folder"),
     ],
 )
