@@ -119,8 +119,19 @@ def generated_rows(blocks: list[DecodeBlock], prompt_lengths: dict[int, int]) ->
     order = order[keep]
     rows = {"index": index[order], "position": position[order],
             "token_ids": torch.cat([b.ids for b in blocks]).to(torch.int64)[order]}
+    # Each block's values copied once, straight to their sorted rows (not concatenated, then gathered).
+    to = torch.full((len(index),), -1, dtype=torch.int64)
+    to[order] = torch.arange(len(order))
+    targets = []  # per block: its rows' places, and which rows are kept (None: all)
+    for dest in to.split([len(b.index) for b in blocks]):
+        taken = dest >= 0  # dropped: a recompute's repeat of a kept row, or a prompt's own position
+        targets.append((dest, None) if bool(taken.all()) else (dest[taken], taken))
     for location in locations:
-        rows[location] = torch.cat([b.values[location] for b in blocks]).index_select(0, order)
+        first = blocks[0].values[location]
+        out = rows[location] = first.new_empty((len(order), *first.shape[1:]))
+        for block, (dest, taken) in zip(blocks, targets):
+            values = block.values[location]
+            out.index_copy_(0, dest, values if taken is None else values[taken])
     return rows
 
 
