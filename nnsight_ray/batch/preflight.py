@@ -2,7 +2,7 @@
 
 ``prepare`` reads the prompts, loads the intervention file or resolves every
 save location on nnsight's meta tree of the model (built from the config only,
-no weights), checks the engine arguments against vLLM's, builds the tiny test
+no weights), checks the engine arguments against vLLM's and the taps against the tree, builds the tiny test
 model if asked, and refuses an output folder written from other inputs. Every
 mistake a config can hold fails here, in seconds, with the key or file named.
 """
@@ -140,7 +140,7 @@ def _check_engine_kwargs(kwargs: dict[str, Any]) -> None:
 
 
 def _meta_module(model_path: str, engine_kwargs: dict[str, Any]) -> Any:
-    """nnsight's meta tree of the model (structure only, no weights, no engine)."""
+    """nnsight's meta tree of the model (structure only, no weights, no engine); the engine's taps checked on it."""
     from nnsight.modeling.vllm import VLLM
 
     from ..local import LocalVLLM
