@@ -337,9 +337,9 @@ class RayVLLM(LocalVLLM):
         try:
             super().__init__(model, **nnsight_kwargs, **engine_kwargs)
             if self.taps:  # the operations sourced taps name, on the meta tree (a miss takes the launch down)
-                from ._internal.graphs import check_sourced
+                from ._internal.graphs import open_sourced
 
-                check_sourced(self, self._resolve_taps(self._module))
+                open_sourced(self, self._resolve_taps(self._module))
             # Edits installed by other clients of a shared deployment are unseen
             # here; the worker checks every request's edit names itself.
             self._serving = True

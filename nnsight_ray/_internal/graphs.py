@@ -119,22 +119,19 @@ def _under(envoy: Any, path: str) -> Any:
     return envoy.get(path[len(envoy.path) + 1:]) if path != envoy.path else envoy
 
 
-def check_sourced(model: Any, taps: Iterable[str]) -> None:
-    """Refuse a tap naming an operation its module's forward does not have, on the client's meta tree (a
-    rank would fail its load with nnsight's message, after the engine's whole start)."""
-    for path, ops in sourced(taps).items():
-        names = _under(model, path).source.names
-        if missing := sorted(ops - set(names)):
-            raise ValueError(f"Tap on {path}.source: its forward has no operation {missing[0]!r}. "
-                             f"Its operations are {list(names)}.")
+def open_sourced(model: Any, taps: Iterable[str], interleaver: Any = None) -> None:
+    """Open the forward of each module a tap reaches inside, with nnsight's ``VLLMInterleaver.instrument``
+    (nnsight runs it as its runner builds the tree: on a RayVLLM rank, before our taps arrive); an
+    operation the forward lacks raises nnsight's ``ValueError``, which lists the forward's operations.
 
+    ``interleaver``: the rank's own, its taps set. None: a throwaway one over ``taps``, which only checks
+    them (the client's meta tree, the batch preflight's), before any rank would fail its load.
+    """
+    from nnsight.modeling.vllm.interleaver import VLLMInterleaver
 
-def instrument_sourced(model: Any, taps: Iterable[str]) -> None:
-    """Open the forward of each module a tap reaches inside, nnsight's way (``VLLMInterleaver.instrument``,
-    which reads the interleaver's taps, does it as nnsight's runner builds the tree: on a RayVLLM rank,
-    before the taps arrive); an operation the forward lacks fails the load with nnsight's message."""
+    interleaver = interleaver if interleaver is not None else VLLMInterleaver(taps)
     for path in sourced(taps):
-        model.interleaver.instrument(_under(model, path))
+        interleaver.instrument(_under(model, path))
 
 
 def strongest(*needs: str) -> str:
@@ -231,8 +228,8 @@ class GraphStepsRunnerMixin:
             # nnsight's own resolution, on this rank's tree (the client checked the patterns on its meta tree).
             model.taps = tuple(patterns)
             resolved = frozenset(model._resolve_taps(self.get_model()))  # type: ignore[attr-defined]
-            interleaver.taps = resolved  # what instrument_sourced's nnsight call reads
-            instrument_sourced(model, resolved)
+            interleaver.taps = resolved  # what nnsight's instrument reads
+            open_sourced(model, resolved, interleaver)
         mode = self.compilation_config.cudagraph_mode  # type: ignore[attr-defined]
         graphs = mode is not None and mode != CUDAGraphMode.NONE
         if graphs:

@@ -164,10 +164,10 @@ def _meta_module(model_path: str, engine_kwargs: dict[str, Any]) -> Any:
 
 def _check_taps(meta: Any, taps: list[str]) -> None:
     """Each tap names a module of the tree, and each operation inside a forward one that forward has."""
-    from .._internal.graphs import check_sourced
+    from .._internal.graphs import open_sourced
 
     meta.taps = tuple(taps)
     try:
-        check_sourced(meta, meta._resolve_taps(module=meta._module))
+        open_sourced(meta, meta._resolve_taps(module=meta._module))
     except ValueError as error:
         raise BatchConfigError(f"engine.engine_kwargs.taps: {error}") from None

@@ -94,7 +94,7 @@ def test_a_sourced_tap_must_name_an_operation_of_its_forward():
     import torch
     from nnsight import NNsight
 
-    from nnsight_ray._internal.graphs import check_sourced
+    from nnsight_ray._internal.graphs import open_sourced
 
     class Attn(torch.nn.Module):
         def forward(self, x):
@@ -104,10 +104,10 @@ def test_a_sourced_tap_must_name_an_operation_of_its_forward():
     root.layers = torch.nn.ModuleList([torch.nn.Module()])
     root.layers[0].self_attn = Attn()
     model = NNsight(root)
-    check_sourced(model, ["model.layers.0.output", "model.layers.0.self_attn.source.torch_relu_0.output"])
+    open_sourced(model, ["model.layers.0.output", "model.layers.0.self_attn.source.torch_relu_0.output"])
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.source: its forward has no operation 'nope_0'. "
                                          r"Its operations are \['torch_relu_0'"):
-        check_sourced(model, ["model.layers.0.self_attn.source.nope_0.output"])
+        open_sourced(model, ["model.layers.0.self_attn.source.nope_0.output"])
 
 
 def test_a_block_waiting_on_logits_or_samples_needs_no_eager_forward():
