@@ -11,7 +11,8 @@ by layout and shuts each engine down before the next starts):
 - ``pp2``: RayVLLM, PP=2 on two raylets (STRICT_SPREAD), ``enforce_eager=False``;
 - ``tp2pp2``: RayVLLM, TP=2 x PP=2 (SPREAD), with ``taps`` (at PP > 1 a block's step runs eagerly);
 - ``pp3``: ``LocalVLLM(distributed_executor_backend="ray")``, PP=3, whose middle
-  stage both receives recordings and sends them on (layers 0 | 1-2 | 3).
+  stage both receives recordings and sends them on (layers 0 | 1-2 | 3), with nnsight's ``taps``, one of
+  them inside a whole layer's forward (``LAYER_SOURCE_TAP``: every stage opens layer 0's forward at load).
 
 The tiny Llama has 4 layers, so at ``pipeline_parallel_size=2`` layers 0-1 (and
 the embedding) run on stage 0 and layers 2-3, the final norm and the logits on
@@ -44,6 +45,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 PROMPT = "Hello world"
 PROMPTS = ["Hello world", "The quick brown fox", "abc"]
 N_LAYERS = 4
+# An operation in a decoder layer's own forward (its MLP call), a tap on pp3.
+LAYER_SOURCE_TAP = "model.layers.0.source.self_mlp_0.output"
 
 LAYOUTS = {
     "tp2": dict(tensor_parallel_size=2, placement_strategy="STRICT_SPREAD"),  # the session's: taps (conftest)
@@ -53,7 +56,9 @@ LAYOUTS = {
     # taps at TP x PP (issue 23: taps at any layout): a block's step runs eagerly there (graphs.served_taps).
     "tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2, placement_strategy="SPREAD",
                    taps=TAPS),
-    "pp3": dict(pipeline_parallel_size=3, placement_strategy="SPREAD"),
+    # LocalVLLM's taps go through nnsight's own route: each stage's runner opens the forward a sourced tap names,
+    # layer 0's on the stages that run other layers too (vLLM's placeholder there: pipeline.lend_forwards).
+    "pp3": dict(pipeline_parallel_size=3, placement_strategy="SPREAD", taps=["model.layers.*.output", LAYER_SOURCE_TAP]),
 }
 # The layouts each group of tests runs on (by value: pytest sets each engine up once).
 ray_layouts = pytest.mark.parametrize("engine", ["tp2", "pp2", "tp2pp2"], indirect=True, scope="module")
@@ -342,19 +347,27 @@ def test_a_tap_inside_a_modules_forward_is_served_at_prefill_and_decode(engine, 
     """``taps`` naming an operation in a forward (``.source.``; tp2 and tp2pp2, RayVLLM: LocalVLLM-only before
     session 30): the ranks open that forward at load, and a trace reads the operation at the prefill and the
     next step as the single-device engine does (on the CPU build every step is eager). At PP > 1 (tp2pp2, and
-    pp3 without taps) the stages that do not hold layer 0 show its forward's operations through their
-    stand-in (``ownership.forward_templates``; before session 30 a ``.source`` read failed there)."""
+    pp3, LocalVLLM, with a tap inside a whole layer) the stages that do not hold layer 0 show its forward's
+    operations through their stand-in (``ownership.forward_templates``; before session 30 a ``.source`` read
+    failed there), and those that do not run a layer show a layer's own operations on vLLM's placeholder
+    (``ownership.lend_forwards``; before session 31 LocalVLLM with ``LAYER_SOURCE_TAP`` at PP > 1 failed to
+    start, and a read of ``layers[0].source`` failed on the other stages)."""
     name, model = engine
 
     def run(m):
         with m.trace(PROMPT, max_tokens=3, temperature=0.0) as tracer:
             out = nnsight.save([])
+            # opened before the first forward runs (a forward opened while it runs shows its operations from
+            # the next call on: nnsight's rule, in-process too)
+            first, last = m.model.layers[0].source, m.model.layers[N_LAYERS - 1].source
             for _ in tracer.iter[0:2]:
                 out.append(m.model.layers[0].self_attn.source.self_o_proj_0.output[0].clone())
+                out.append(first.self_mlp_0.output.clone())
+                out.append(last.self_mlp_0.output.clone())
         return out
 
     got, want = run(model), run(ref)
-    assert len(got) == len(want) == 2
+    assert len(got) == len(want) == 6
     for mine, theirs in zip(got, want):
         assert_close(mine, theirs)
 

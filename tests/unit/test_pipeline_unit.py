@@ -251,13 +251,41 @@ def test_a_stand_in_shows_the_operations_of_the_module_it_stands_for():
 
     root = torch.nn.Module()
     root.layers = torch.nn.ModuleList([PPMissingLayer(), Layer()])
-    templates = forward_templates(NNsight(root))
+    templates = forward_templates((envoy.path, envoy._module) for envoy in NNsight(root).modules())
     assert templates == {("model.layers", ""): Layer.forward, ("model.layers", ".self_attn"): Attn.forward}
     objects = StagePersistentObjects({}, templates)
     stub = objects["Module:model.layers.0.self_attn"]
     names = list(NNsight(Attn()).source.names)
     assert list(NNsight(stub).source.names) == names and names[0] == "torch_relu_0"
     assert objects["Module:model.other.self_attn"].forward.__func__ is StageStub.forward  # no place: the plain stand-in
+
+
+def test_a_lists_placeholder_shows_the_forward_of_the_items_this_stage_runs():
+    """``layers[0].source`` on a stage that runs layers 1-: vLLM's placeholder at ``layers.0`` takes the
+    forward of a layer this stage runs before nnsight wraps the model (``lend_forwards``), so nnsight reads
+    the same operations there; a placeholder outside a list keeps its own."""
+    from nnsight import NNsight
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    from nnsight_ray._internal.pipeline.ownership import lend_forwards
+
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            y = torch.relu(x)
+            return torch.sigmoid(y) * 2
+
+    root = torch.nn.Module()
+    root.layers = torch.nn.ModuleList([PPMissingLayer(), PPMissingLayer(), Layer()])
+    root.norm = PPMissingLayer()
+    assert lend_forwards(root) == ["layers.0", "layers.1"]
+    wrapped = NNsight(root)
+    names = list(NNsight(Layer()).source.names)
+    assert list(wrapped.layers[0].source.names) == names and names[0] == "torch_relu_0"
+    assert "torch_relu_0" not in list(wrapped.norm.source.names)
+    # a stage that runs no item of a list lends nothing
+    bare = torch.nn.Module()
+    bare.layers = torch.nn.ModuleList([PPMissingLayer()])
+    assert lend_forwards(bare) == []
 
 
 # --- messages -----------------------------------------------------------------

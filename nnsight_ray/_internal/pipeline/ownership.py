@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -193,18 +193,44 @@ class StageStub(torch.nn.Module):
         return self.nnsight_pp_path
 
 
-def forward_templates(model: Any) -> dict[tuple[str, str], Any]:
+def forward_templates(modules: Iterable[tuple[str, Any]]) -> dict[tuple[str, str], Any]:
     """Per place in an indexed list (``("model.model.layers", ".self_attn")``), the class forward of the
-    module this stage holds there: the ``body`` of a stand-in for the same place in an item another stage
-    holds (``layers.0.self_attn`` on the stage that runs layers 2-3)."""
+    module this stage holds there, from ``(path, module)`` pairs (an envoy tree's, or ``named_modules()``):
+    the ``body`` of a stand-in for the same place in an item another stage holds (``layers.0.self_attn`` on
+    the stage that runs layers 2-3), and of a list's own placeholders (``lend_forwards``)."""
     from vllm.model_executor.models.utils import PPMissingLayer
 
     templates: dict[tuple[str, str], Any] = {}
-    for envoy in model.modules():
-        match = _INDEXED.match(envoy.path)
-        if match and not isinstance(envoy._module, PPMissingLayer):
-            templates.setdefault((match.group("parent"), match.group("rest")), type(envoy._module).forward)
+    for path, module in modules:
+        match = _INDEXED.match(path)
+        if match and not isinstance(module, PPMissingLayer):
+            templates.setdefault((match.group("parent"), match.group("rest")), type(module).forward)
     return templates
+
+
+def lend_forwards(model: torch.nn.Module) -> list[str]:
+    """Give each vLLM ``PPMissingLayer`` that stands for an item of an indexed list (``layers.0`` on the stage
+    that runs layers 2-3) the class forward of an item this stage runs, bound to it; return their paths.
+
+    Called between vLLM's load and nnsight's wrap, which reads a module's instance forward as its body
+    (``module_body``): so ``layers[0].source``, and a ``.source.`` tap on a whole layer, name the same
+    operations on every stage (nnsight's tapped runner refuses to start otherwise: the placeholder's
+    forward has none of them), and the owning stage's values reach the others as ``.output``'s do. Never
+    called: vLLM runs only a stage's own slice of the list. A placeholder outside a list (the final norm
+    before the last stage) keeps its own.
+    """
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    pairs = list(model.named_modules())
+    templates = forward_templates(pairs)
+    lent = []
+    for path, module in pairs:
+        match = _INDEXED.match(path)
+        body = templates.get((match.group("parent"), match.group("rest"))) if match else None
+        if body is not None and isinstance(module, PPMissingLayer):
+            module.forward = types.MethodType(body, module)
+            lent.append(path)
+    return lent
 
 
 class StagePersistentObjects(dict):

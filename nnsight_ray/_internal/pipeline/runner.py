@@ -14,7 +14,8 @@ import pickle
 from typing import TYPE_CHECKING, Any, Optional
 
 from .ghosts import PipelineDependencyError, contains_ghost, ghost_free
-from .ownership import StagePersistentObjects, build_stage_map, counted, forward_templates, module_tree
+from .ownership import (StagePersistentObjects, build_stage_map, counted, forward_templates, lend_forwards,
+                        module_tree)
 from .serving import StageInterleaver, StageState
 from .wire import KEY, KEY_DATA, decode_message, encode_message
 
@@ -76,7 +77,7 @@ class StageRunnerMixin:
         state = StageState(map=stage_map, tp_size=get_tp_group().world_size)
         StageInterleaver.install(model.interleaver, state)
         objects = StagePersistentObjects(self.nnsight_persistent_objects,  # type: ignore[attr-defined]
-                                         forward_templates(model))
+                                         forward_templates((e.path, e._module) for e in model.modules()))
         for path in stage_map.missing:
             if f"Module:{path}" not in dict.keys(objects):
                 objects[f"Module:{path}"] = objects.stand_in(path)
@@ -184,6 +185,14 @@ class StageForwardMixin:
     """
 
     nnsight_stage: Optional[StageState] = None
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM's load; then, at PP > 1 and before nnsight wraps the model, a list's placeholders take their
+        place's forward (``lend_forwards``)."""
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        if self.vllm_config.parallel_config.pipeline_parallel_size > 1:  # type: ignore[attr-defined]
+            lent = lend_forwards(self.get_model())  # type: ignore[attr-defined]
+            logger.debug("pipeline stage: %d placeholders show their place's forward", len(lent))
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
         stage = self.nnsight_stage
