@@ -158,6 +158,16 @@ def killed(state: ActorState) -> bool:
     return RAY_KILL_CAUSE in state.cause
 
 
+# The GCS's cause for an actor Ray destroyed with its placement group: a deployment being taken down
+# (vLLM's executor stopping after a rank failed, a shutdown), never the first failure while another is dead.
+PLACEMENT_GROUP_REMOVED = "placement group was removed"
+
+
+def torn_down(state: ActorState) -> bool:
+    """Destroyed because its placement group was removed."""
+    return PLACEMENT_GROUP_REMOVED in state.cause
+
+
 def orphaned(state: ActorState) -> bool:
     """Ended because its owner did (Ray's "the actor is dead because its owner has died"): a consequence."""
     return "owner" in state.cause.lower()
@@ -172,16 +182,18 @@ def blamed(states: list[ActorState], alive_nodes: set[str] | None = None) -> Act
     """The dead actor the deployment's death is put on (None if all are alive).
 
     First one whose node is gone; then the first to end of a cause of its
-    own (neither ``ray.kill`` nor its owner's death); then the first
-    ``ray.kill``ed; then the first to end. vLLM's executor ``ray.kill``s every
-    rank once one fails, often before the GCS has found the node that took
-    the first one down, and a killed engine actor takes the ranks its
-    engine-core process owns with it (their end time can come first), so end
-    times alone can blame a survivor.
+    own (neither ``ray.kill``, nor its owner's death, nor its placement
+    group's removal); then the first ``ray.kill``ed; then the first to end.
+    vLLM's executor ``ray.kill``s every rank once one fails, often before the
+    GCS has found the node that took the first one down, a killed engine
+    actor takes the ranks its engine-core process owns with it (their end
+    time can come first), and a deployment taken down after a rank's death
+    removes its placement group, which destroys the ranks still in it; so
+    end times alone can blame a survivor.
     """
     dead = sorted((s for s in states if s.dead), key=lambda s: s.end_time_ms)
     lost = [s for s in dead if on_lost_node(s, alive_nodes)]
-    own = [s for s in dead if not killed(s) and not orphaned(s)]
+    own = [s for s in dead if not killed(s) and not orphaned(s) and not torn_down(s)]
     found = lost or own or [s for s in dead if killed(s)] or dead
     return found[0] if found else None
 
@@ -332,8 +344,9 @@ class DeathWatch:
 
         Held back for up to ``KILL_GRACE_S`` while the only deaths are ranks
         ``ray.kill``ed on live nodes (what vLLM's executor does to every rank
-        once one fails): a lost node behind them is blamed once the GCS finds
-        it; a user's own ``ray.kill`` of a rank is named after the grace.
+        once one fails), or destroyed with their placement group: a lost node
+        behind them is blamed once the GCS finds it; a user's own ``ray.kill``
+        of a rank is named after the grace.
         """
         states = await self.cluster.offload(self.survey)
         alive = await self.cluster.offload(self.cluster.alive_nodes)
@@ -341,7 +354,7 @@ class DeathWatch:
         message = diagnose(states, alive, core)
         dead = [s for s in states if s.dead]
         if message is not None and core is None and all(
-                s.record.role == RANK and killed(s) and not on_lost_node(s, alive) for s in dead):
+                s.record.role == RANK and (killed(s) or torn_down(s)) and not on_lost_node(s, alive) for s in dead):
             now = self.clock()
             if self._kills_seen_at is None:
                 self._kills_seen_at = now

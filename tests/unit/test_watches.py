@@ -396,6 +396,35 @@ def test_a_killed_engine_actor_is_blamed_over_the_ranks_that_died_with_it():
     assert message == engine_dead(f"engine actor e.engine on node n0 (node alive) died ({KILLED_CAUSE})")
 
 
+TORN_DOWN_CAUSE = ("The actor is dead because its worker process has died. Worker exit type: INTENDED_SYSTEM_EXIT "
+                   "Worker exit detail: Destroying worker since its placement group was removed.")
+
+
+def test_a_killed_rank_is_blamed_over_the_ranks_destroyed_with_its_placement_group():
+    """The CI finding (tp2pp2, session 31): a user ray.killed pp0.tp1; the deployment, taken down after it,
+    removed its placement group, which destroyed pp1.tp1; the GCS showed both within the grace, and the
+    survivor's "own" cause was named."""
+    table = _alive_table()
+    table["R1"] = _entry("DEAD", "n2", 1000, cause=KILLED_CAUSE)
+    table["R0"] = _entry("DEAD", "n1", 1200, cause=TORN_DOWN_CAUSE)
+    now = [100.0]
+    watch = DeathWatch(RECORDS, _cluster(table), clock=lambda: now[0])
+    core = FakeCore()
+    assert asyncio.run(watch.check(core)) is False and core.dead is None  # only consequences: the grace
+    now[0] += DeathWatch.KILL_GRACE_S + 0.1
+    assert asyncio.run(watch.check(core)) is True
+    assert "e.pp0.tp1" in str(core.dead) and "killed by `ray.kill`" in str(core.dead)
+    # a placement group removed while every other actor lives is named, after the grace, with its cause
+    table = _alive_table()
+    table["R0"] = _entry("DEAD", "n1", 1200, cause=TORN_DOWN_CAUSE)
+    watch = DeathWatch(RECORDS, _cluster(table), clock=lambda: now[0])
+    core = FakeCore()
+    assert asyncio.run(watch.check(core)) is False
+    now[0] += DeathWatch.KILL_GRACE_S + 0.1
+    assert asyncio.run(watch.check(core)) is True
+    assert "e.pp0.tp0" in str(core.dead) and "placement group was removed" in str(core.dead)
+
+
 def test_kill_only_deaths_are_held_back_for_the_grace_then_the_first_is_named():
     """Only ray.kills on live nodes: a lost node may still be found; a user's own kill is named after the grace."""
     table = _alive_table()
