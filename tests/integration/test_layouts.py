@@ -350,8 +350,9 @@ def test_a_tap_inside_a_modules_forward_is_served_at_prefill_and_decode(engine, 
     pp3, LocalVLLM, with a tap inside a whole layer) the stages that do not hold layer 0 show its forward's
     operations through their stand-in (``ownership.forward_templates``; before session 30 a ``.source`` read
     failed there), and those that do not run a layer show a layer's own operations on vLLM's placeholder
-    (``ownership.lend_forwards``; before session 31 LocalVLLM with ``LAYER_SOURCE_TAP`` at PP > 1 failed to
-    start, and a read of ``layers[0].source`` failed on the other stages)."""
+    (``ownership.lend_forwards``: a layer's, or the final norm's as the last stage offers it at load; before
+    session 31 LocalVLLM with ``LAYER_SOURCE_TAP`` at PP > 1 failed to start, and a read of
+    ``layers[0].source`` or ``norm.source`` failed on the stages without the module)."""
     name, model = engine
 
     def run(m):
@@ -360,14 +361,16 @@ def test_a_tap_inside_a_modules_forward_is_served_at_prefill_and_decode(engine, 
             # opened before the first forward runs (a forward opened while it runs shows its operations from
             # the next call on: nnsight's rule, in-process too)
             first, last = m.model.layers[0].source, m.model.layers[N_LAYERS - 1].source
+            norm = m.model.norm.source  # the final norm, outside any list: on the last stage only
             for _ in tracer.iter[0:2]:
                 out.append(m.model.layers[0].self_attn.source.self_o_proj_0.output[0].clone())
                 out.append(first.self_mlp_0.output.clone())
                 out.append(last.self_mlp_0.output.clone())
+                out.append(norm.self__forward_method_0.output[0].clone())
         return out
 
     got, want = run(model), run(ref)
-    assert len(got) == len(want) == 6
+    assert len(got) == len(want) == 8
     for mine, theirs in zip(got, want):
         assert_close(mine, theirs)
 

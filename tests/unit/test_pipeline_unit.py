@@ -260,14 +260,15 @@ def test_a_stand_in_shows_the_operations_of_the_module_it_stands_for():
     assert objects["Module:model.other.self_attn"].forward.__func__ is StageStub.forward  # no place: the plain stand-in
 
 
-def test_a_lists_placeholder_shows_the_forward_of_the_items_this_stage_runs():
-    """``layers[0].source`` on a stage that runs layers 1-: vLLM's placeholder at ``layers.0`` takes the
-    forward of a layer this stage runs before nnsight wraps the model (``lend_forwards``), so nnsight reads
-    the same operations there; a placeholder outside a list keeps its own."""
+def test_a_placeholder_shows_the_forward_of_the_module_it_stands_for():
+    """``layers[0].source`` on a stage that runs layers 1-, ``norm.source`` on a stage before the last: vLLM's
+    placeholders take the forward of a layer this stage runs, or the one the stage that runs the module offers
+    (``own_forwards``, exchanged at load), before nnsight wraps the model (``lend_forwards``), so nnsight reads
+    the same operations there; a placeholder nobody offers keeps its own."""
     from nnsight import NNsight
     from vllm.model_executor.models.utils import PPMissingLayer
 
-    from nnsight_ray._internal.pipeline.ownership import lend_forwards
+    from nnsight_ray._internal.pipeline.ownership import lend_forwards, own_forwards
 
     class Layer(torch.nn.Module):
         def forward(self, x):
@@ -277,12 +278,20 @@ def test_a_lists_placeholder_shows_the_forward_of_the_items_this_stage_runs():
     root = torch.nn.Module()
     root.layers = torch.nn.ModuleList([PPMissingLayer(), PPMissingLayer(), Layer()])
     root.norm = PPMissingLayer()
-    assert lend_forwards(root) == ["layers.0", "layers.1"]
+    root.head = PPMissingLayer()
+    last = torch.nn.Module()  # the last stage: it runs the norm
+    last.layers = torch.nn.ModuleList([PPMissingLayer(), PPMissingLayer(), PPMissingLayer()])
+    last.norm = torch.nn.LayerNorm(4)
+    last.local = Layer()  # defined in a function: no reference to send, not offered
+    offered = own_forwards(last)
+    assert offered == {"norm": torch.nn.LayerNorm.forward}
+    assert lend_forwards(root, [own_forwards(root), offered]) == ["layers.0", "layers.1", "norm"]
     wrapped = NNsight(root)
     names = list(NNsight(Layer()).source.names)
     assert list(wrapped.layers[0].source.names) == names and names[0] == "torch_relu_0"
-    assert "torch_relu_0" not in list(wrapped.norm.source.names)
-    # a stage that runs no item of a list lends nothing
+    assert list(wrapped.norm.source.names) == list(NNsight(torch.nn.LayerNorm(4)).source.names)
+    assert "torch_relu_0" not in list(wrapped.head.source.names)  # offered by nobody: its own forward
+    # a stage that runs no item of a list and is offered nothing lends nothing
     bare = torch.nn.Module()
     bare.layers = torch.nn.ModuleList([PPMissingLayer()])
     assert lend_forwards(bare) == []

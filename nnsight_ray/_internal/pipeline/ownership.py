@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 import types
 from dataclasses import dataclass, field
@@ -208,26 +209,52 @@ def forward_templates(modules: Iterable[tuple[str, Any]]) -> dict[tuple[str, str
     return templates
 
 
-def lend_forwards(model: torch.nn.Module) -> list[str]:
-    """Give each vLLM ``PPMissingLayer`` that stands for an item of an indexed list (``layers.0`` on the stage
-    that runs layers 2-3) the class forward of an item this stage runs, bound to it; return their paths.
+def own_forwards(model: torch.nn.Module) -> dict[str, Any]:
+    """This stage's modules outside indexed lists that it runs (the embedding, the final norm, the LM head on
+    the stages that hold them), path -> class forward: what the other stages' placeholders there show
+    (``lend_forwards``). Only forwards pickled by reference (an importable class) are offered."""
+    from vllm.model_executor.models.utils import PPMissingLayer
 
-    Called between vLLM's load and nnsight's wrap, which reads a module's instance forward as its body
-    (``module_body``): so ``layers[0].source``, and a ``.source.`` tap on a whole layer, name the same
-    operations on every stage (nnsight's tapped runner refuses to start otherwise: the placeholder's
-    forward has none of them), and the owning stage's values reach the others as ``.output``'s do. Never
-    called: vLLM runs only a stage's own slice of the list. A placeholder outside a list (the final norm
-    before the last stage) keeps its own.
+    forwards: dict[str, Any] = {}
+    for path, module in model.named_modules():
+        if path and not _INDEXED.match(path) and not isinstance(module, PPMissingLayer) \
+                and type(module).forward is not torch.nn.Module.forward:  # a container: nothing to show
+            try:
+                pickle.dumps(type(module).forward)
+            except Exception:  # a class defined in a function: no reference to send
+                continue
+            forwards[path] = type(module).forward
+    return forwards
+
+
+def lend_forwards(model: torch.nn.Module, peers: Iterable[dict[str, Any]] = ()) -> list[str]:
+    """Give each vLLM ``PPMissingLayer`` placeholder the forward of the module it stands for, bound to it;
+    return their paths.
+
+    For an item of an indexed list (``layers.0`` on the stage that runs layers 2-3), the class forward of an
+    item this stage runs; for any other (the final norm before the last stage), the forward the stage that
+    runs it offers (``peers``: every stage's ``own_forwards``). Called between vLLM's load and nnsight's
+    wrap, which reads a module's instance forward as its body (``module_body``): so ``layers[0].source``,
+    ``norm.source`` and a ``.source.`` tap on a whole layer name the same operations on every stage
+    (nnsight's tapped runner refuses to start otherwise: the placeholder's forward has none of them), and
+    the owning stage's values reach the others as ``.output``'s do. Never called: vLLM runs only a stage's
+    own slice of the list, and the modules of other stages only there.
     """
     from vllm.model_executor.models.utils import PPMissingLayer
 
     pairs = list(model.named_modules())
     templates = forward_templates(pairs)
+    offered: dict[str, Any] = {}
+    for forwards in peers:
+        for path, forward in forwards.items():
+            offered.setdefault(path, forward)
     lent = []
     for path, module in pairs:
+        if not isinstance(module, PPMissingLayer):
+            continue
         match = _INDEXED.match(path)
-        body = templates.get((match.group("parent"), match.group("rest"))) if match else None
-        if body is not None and isinstance(module, PPMissingLayer):
+        body = templates.get((match.group("parent"), match.group("rest"))) if match else offered.get(path)
+        if body is not None:
             module.forward = types.MethodType(body, module)
             lent.append(path)
     return lent

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from .ghosts import PipelineDependencyError, contains_ghost, ghost_free
 from .ownership import (StagePersistentObjects, build_stage_map, counted, forward_templates, lend_forwards,
-                        module_tree)
+                        module_tree, own_forwards)
 from .serving import StageInterleaver, StageState
 from .wire import KEY, KEY_DATA, decode_message, encode_message
 
@@ -25,14 +25,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _exchange_trees(tree: dict[str, bool]) -> list[dict[str, bool]]:
-    """Every pipeline stage's module tree, in stage order (one collective at load)."""
+def _exchange(mine: Any) -> list[Any]:
+    """Every pipeline stage's ``mine``, in stage order (one collective over the stages, at load)."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_pp_group
 
     group = get_pp_group()
     gathered: list[Any] = [None] * group.world_size
-    dist.all_gather_object(gathered, tree, group=group.cpu_group)
+    dist.all_gather_object(gathered, mine, group=group.cpu_group)
     return gathered
 
 
@@ -70,7 +70,7 @@ class StageRunnerMixin:
         if pp.world_size <= 1:
             return
         model = self.nnsight_model  # type: ignore[attr-defined]
-        trees = _exchange_trees(module_tree(model))
+        trees = _exchange(module_tree(model))
         stage_map = build_stage_map(pp.rank_in_group, trees, root=model.path)
         taps = model.interleaver.taps
         stage_map.later = tuple(p for p in stage_map.later if counted(taps, p))
@@ -187,11 +187,12 @@ class StageForwardMixin:
     nnsight_stage: Optional[StageState] = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        """vLLM's load; then, at PP > 1 and before nnsight wraps the model, a list's placeholders take their
-        place's forward (``lend_forwards``)."""
+        """vLLM's load; then, at PP > 1 and before nnsight wraps the model, vLLM's placeholders take the
+        forwards of the modules they stand for (``lend_forwards``; one collective for the other stages')."""
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         if self.vllm_config.parallel_config.pipeline_parallel_size > 1:  # type: ignore[attr-defined]
-            lent = lend_forwards(self.get_model())  # type: ignore[attr-defined]
+            model = self.get_model()  # type: ignore[attr-defined]
+            lent = lend_forwards(model, _exchange(own_forwards(model)))
             logger.debug("pipeline stage: %d placeholders show their place's forward", len(lent))
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
