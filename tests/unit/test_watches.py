@@ -400,36 +400,11 @@ TORN_DOWN_CAUSE = ("The actor is dead because its worker process has died. Worke
                    "Worker exit detail: Destroying worker since its placement group was removed.")
 
 
-def test_a_killed_rank_is_blamed_over_the_ranks_destroyed_with_its_placement_group():
-    """The CI finding (tp2pp2, session 31): a user ray.killed pp0.tp1; the deployment, taken down after it,
-    removed its placement group, which destroyed pp1.tp1; the GCS showed both within the grace, and the
-    survivor's "own" cause was named."""
+def _named_after_the_grace(deaths: dict) -> str:
+    """The engine-dead message a rank watch gives for ``deaths`` (GCS entries by record), which it holds back
+    for the kill grace first."""
     table = _alive_table()
-    table["R1"] = _entry("DEAD", "n2", 1000, cause=KILLED_CAUSE)
-    table["R0"] = _entry("DEAD", "n1", 1200, cause=TORN_DOWN_CAUSE)
-    now = [100.0]
-    watch = DeathWatch(RECORDS, _cluster(table), clock=lambda: now[0])
-    core = FakeCore()
-    assert asyncio.run(watch.check(core)) is False and core.dead is None  # only consequences: the grace
-    now[0] += DeathWatch.KILL_GRACE_S + 0.1
-    assert asyncio.run(watch.check(core)) is True
-    assert "e.pp0.tp1" in str(core.dead) and "killed by `ray.kill`" in str(core.dead)
-    # a placement group removed while every other actor lives is named, after the grace, with its cause
-    table = _alive_table()
-    table["R0"] = _entry("DEAD", "n1", 1200, cause=TORN_DOWN_CAUSE)
-    watch = DeathWatch(RECORDS, _cluster(table), clock=lambda: now[0])
-    core = FakeCore()
-    assert asyncio.run(watch.check(core)) is False
-    now[0] += DeathWatch.KILL_GRACE_S + 0.1
-    assert asyncio.run(watch.check(core)) is True
-    assert "e.pp0.tp0" in str(core.dead) and "placement group was removed" in str(core.dead)
-
-
-def test_kill_only_deaths_are_held_back_for_the_grace_then_the_first_is_named():
-    """Only ray.kills on live nodes: a lost node may still be found; a user's own kill is named after the grace."""
-    table = _alive_table()
-    table["R1"] = _entry("DEAD", "n2", 2000, cause=KILLED_CAUSE)
-    table["R0"] = _entry("DEAD", "n1", 1000, cause=KILLED_CAUSE)
+    table.update(deaths)
     now = [100.0]
     watch = DeathWatch(RECORDS, _cluster(table), clock=lambda: now[0])
     core = FakeCore()
@@ -438,7 +413,26 @@ def test_kill_only_deaths_are_held_back_for_the_grace_then_the_first_is_named():
     assert asyncio.run(watch.check(core)) is False
     now[0] += 0.2
     assert asyncio.run(watch.check(core)) is True
-    assert "e.pp0.tp0" in str(core.dead) and "killed by `ray.kill`" in str(core.dead)
+    return str(core.dead)
+
+
+def test_a_killed_rank_is_blamed_over_the_ranks_destroyed_with_its_placement_group():
+    """The CI finding (tp2pp2, session 31): a user ray.killed pp0.tp1; the deployment, taken down after it,
+    removed its placement group, which destroyed pp0.tp0 (here); the GCS showed both within the grace, and
+    the survivor's cause was named as the deployment's own."""
+    message = _named_after_the_grace({"R1": _entry("DEAD", "n2", 1000, cause=KILLED_CAUSE),
+                                      "R0": _entry("DEAD", "n1", 1200, cause=TORN_DOWN_CAUSE)})
+    assert "e.pp0.tp1" in message and "killed by `ray.kill`" in message
+    # a placement group removed while every other actor lives is named, after the grace, with its cause
+    message = _named_after_the_grace({"R0": _entry("DEAD", "n1", 1200, cause=TORN_DOWN_CAUSE)})
+    assert "e.pp0.tp0" in message and "placement group was removed" in message
+
+
+def test_kill_only_deaths_are_held_back_for_the_grace_then_the_first_is_named():
+    """Only ray.kills on live nodes: a lost node may still be found; a user's own kill is named after the grace."""
+    message = _named_after_the_grace({"R1": _entry("DEAD", "n2", 2000, cause=KILLED_CAUSE),
+                                      "R0": _entry("DEAD", "n1", 1000, cause=KILLED_CAUSE)})
+    assert "e.pp0.tp0" in message and "killed by `ray.kill`" in message
 
 
 def test_a_node_lost_during_the_grace_is_named_at_once():
