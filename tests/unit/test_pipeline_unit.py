@@ -284,8 +284,10 @@ def test_a_placeholder_shows_the_forward_of_the_module_it_stands_for():
     last.norm = torch.nn.LayerNorm(4)
     last.local = Layer()  # defined in a function: no reference to send, not offered
     offered = own_forwards(last)
-    assert offered == {"norm": torch.nn.LayerNorm.forward}
-    assert lend_forwards(root, [own_forwards(root), offered]) == ["layers.0", "layers.1", "norm"]
+    assert list(offered) == ["norm"] and pickle.loads(offered["norm"]) is torch.nn.LayerNorm.forward
+    # a forward this process cannot import is not lent (here: the head's), and nothing fails
+    unknown = {"head": pickle.dumps(torch.nn.LayerNorm.forward).replace(b"torch.nn", b"nowhere_")}
+    assert lend_forwards(root, [own_forwards(root), offered, unknown]) == ["layers.0", "layers.1", "norm"]
     wrapped = NNsight(root)
     names = list(NNsight(Layer()).source.names)
     assert list(wrapped.layers[0].source.names) == names and names[0] == "torch_relu_0"

@@ -209,25 +209,33 @@ def forward_templates(modules: Iterable[tuple[str, Any]]) -> dict[tuple[str, str
     return templates
 
 
-def own_forwards(model: torch.nn.Module) -> dict[str, Any]:
+def own_forwards(model: torch.nn.Module) -> dict[str, bytes]:
     """This stage's modules outside indexed lists that it runs (the embedding, the final norm, the LM head on
-    the stages that hold them), path -> class forward: what the other stages' placeholders there show
-    (``lend_forwards``). Only forwards pickled by reference (an importable class) are offered."""
+    the stages that hold them), path -> its class forward pickled by reference (an importable class; others
+    are not offered): what the other stages' placeholders there show (``lend_forwards``)."""
     from vllm.model_executor.models.utils import PPMissingLayer
 
-    forwards: dict[str, Any] = {}
+    forwards: dict[str, bytes] = {}
     for path, module in model.named_modules():
         if path and not _INDEXED.match(path) and not isinstance(module, PPMissingLayer) \
                 and type(module).forward is not torch.nn.Module.forward:  # a container: nothing to show
             try:
-                pickle.dumps(type(module).forward)
+                forwards[path] = pickle.dumps(type(module).forward)
             except Exception:  # a class defined in a function: no reference to send
                 continue
-            forwards[path] = type(module).forward
     return forwards
 
 
-def lend_forwards(model: torch.nn.Module, peers: Iterable[dict[str, Any]] = ()) -> list[str]:
+def _loaded(reference: bytes) -> Any:
+    """A forward another stage offered, or None where this process cannot import it (that placeholder then
+    keeps its own forward: a read of its ``.source`` fails there, the engine still starts)."""
+    try:
+        return pickle.loads(reference)
+    except Exception:
+        return None
+
+
+def lend_forwards(model: torch.nn.Module, peers: Iterable[dict[str, bytes]] = ()) -> list[str]:
     """Give each vLLM ``PPMissingLayer`` placeholder the forward of the module it stands for, bound to it;
     return their paths.
 
@@ -244,16 +252,17 @@ def lend_forwards(model: torch.nn.Module, peers: Iterable[dict[str, Any]] = ()) 
 
     pairs = list(model.named_modules())
     templates = forward_templates(pairs)
-    offered: dict[str, Any] = {}
+    offered: dict[str, bytes] = {}
     for forwards in peers:
-        for path, forward in forwards.items():
-            offered.setdefault(path, forward)
+        for path, reference in forwards.items():
+            offered.setdefault(path, reference)
     lent = []
     for path, module in pairs:
         if not isinstance(module, PPMissingLayer):
             continue
         match = _INDEXED.match(path)
-        body = templates.get((match.group("parent"), match.group("rest"))) if match else offered.get(path)
+        body = templates.get((match.group("parent"), match.group("rest"))) if match \
+            else _loaded(offered[path]) if path in offered else None
         if body is not None:
             module.forward = types.MethodType(body, module)
             lent.append(path)
