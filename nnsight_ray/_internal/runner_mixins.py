@@ -3,7 +3,7 @@
 One tuple, so the CPU and GPU runners (``cpu_worker``, ``gpu_worker``) are
 composed the same way: each mixin wraps nnsight's ``NNsightGPUModelRunner``
 methods and calls ``super()``; ``StageForwardMixin`` (not here) sits below
-nnsight's runner, around vLLM's forward.
+nnsight's runner, around vLLM's load and forward.
 
 - ``PackedCollectRunnerMixin``: collected values are pickled one buffer per dtype, not ``torch.save``
   per tensor (``payload``); first, so every collect below it, the pipeline stage's included, packs.

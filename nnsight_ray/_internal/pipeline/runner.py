@@ -3,7 +3,9 @@
 `StageRunnerMixin` sits before nnsight's ``NNsightGPUModelRunner`` in the MRO
 (load, adopt blocks, collect); `StageForwardMixin` after it, inside nnsight's
 ``with interleaver:`` around vLLM's forward (take the previous stage's message
-off, catch up, drain, put this stage's message on). Both are nnsight's own
+off, catch up, drain, put this stage's message on), and at load between vLLM's
+load and nnsight's wrap (vLLM's placeholders take the forwards of the modules
+they stand for: ``ownership.lend_forwards``). Both are nnsight's own
 behaviour at ``pipeline_parallel_size == 1``: one attribute test per step.
 """
 
