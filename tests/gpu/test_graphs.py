@@ -184,7 +184,9 @@ def test_a_cache_records_every_step_after_its_block_is_done(graph_engine, hf, wh
     for k in range(1, STEPS):
         assert_close(got[k][-1], expected[n + k - 1], what=f"{kind} cache of {what}, decode step {k}")
     if kind == "ray_taps" and what == "a tapped layer":
-        modes.expect(modes.ran.get("piecewise", 0) >= STEPS - 1 and "eager_for_block" not in modes.ran)
+        # decode steps at the taps of breakable graphs; the prompt's step eagerly (its rows come from forward
+        # hooks, which a graph never runs: on the H100 in session 31, {'piecewise': 3, 'eager_for_block': 1})
+        modes.expect(modes.ran.get("piecewise", 0) >= STEPS - 1 and modes.ran.get("eager_for_block", 0) <= 1)
     else:
         modes.expect(modes.ran.get("eager_for_block", 0) >= STEPS - 1)
 
@@ -241,6 +243,8 @@ def test_extraction_of_generated_tokens_on_a_tapped_engine(ray_taps, hf, tmp_pat
         want = hf.run_ids(sequence)
         assert_close(data["model.layers.1.output"][rows], want["layers"][1], what=f"generated rows of prompt {index}")
     if not any("self_attn" in location for location in locations):
-        modes.expect(modes.ran.get("piecewise", 0) >= STEPS - 1 and "eager_for_block" not in modes.ran)
+        # decode steps at the taps of breakable graphs; the prompt's step eagerly (its rows come from forward
+        # hooks, which a graph never runs: on the H100 in session 31, {'piecewise': 3, 'eager_for_block': 1})
+        modes.expect(modes.ran.get("piecewise", 0) >= STEPS - 1 and modes.ran.get("eager_for_block", 0) <= 1)
     else:
         modes.expect(modes.ran.get("eager_for_block", 0) >= STEPS - 1)
