@@ -4,7 +4,7 @@ nnsight 0.8.1's ``VLLM`` names a GPU-only worker and its meta build calls an
 accelerator API, so on vLLM's CPU build it cannot build even the client-side
 meta tree. ``LocalVLLM`` is the same class with two supported seams changed:
 the ``worker_cls`` it hands vLLM (chosen by vLLM's platform, see
-``nnsight_ray._internal.platform``) and the meta build, which runs under a
+``nnsight_ray._internal.engine.platform``) and the meta build, which runs under a
 scoped accelerator stand-in on accelerator-less machines. One addition: an
 intervention that fails in the engine is re-raised with its original builtin
 type as well as nnsight's ``RuntimeError`` (see ``intervention_error``).
@@ -13,7 +13,7 @@ Everything else (trace, invokes, iter/all, edits, ``model.edit()``,
 
 With ``distributed_executor_backend="ray"`` the engine's ranks are Ray actors
 placed by a placement group on any node of a Ray cluster (see
-``nnsight_ray._internal.ray_executor``), on CPU and GPU alike.
+``nnsight_ray._internal.ranks.executor``), on CPU and GPU alike.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 
 from nnsight.modeling.vllm import VLLM
 
-from ._internal import graphs, platform
+from ._internal.blocks import graphs
+from ._internal.engine import platform
 from .errors import RequestError
 
 __all__ = ["LocalVLLM", "intervention_error", "raise_intervention"]
@@ -118,15 +119,15 @@ class LocalVLLM(VLLM):
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
         # Ray-executor options shape the ranks, not the meta tree.
-        from ._internal.options import split_ray_options
+        from ._internal.cluster.placement import split_ray_options
 
         kwargs, _ = split_ray_options(kwargs)
         with platform.meta_build_without_accelerator():
             return super()._load_meta(repo_id, **kwargs)
 
     def _load(self, repo_id: str, **kwargs: Any) -> Any:
-        from ._internal.options import release_placement_group
-        from ._internal.ray_executor import configure_engine_kwargs
+        from ._internal.cluster.placement import release_placement_group
+        from ._internal.ranks.executor import configure_engine_kwargs
 
         # vLLM reads these in this process and the ones it starts (platform.ENGINE_ENV_DEFAULTS).
         for key, value in platform.engine_env().items():
@@ -134,7 +135,7 @@ class LocalVLLM(VLLM):
         kwargs = configure_engine_kwargs(platform.engine_defaults(kwargs))
         self._engine_kwargs = kwargs
         # enforce_eager=False without taps: graphs on the steps no block needs
-        # (``_internal/graphs.py``); nnsight's VLLM would refuse it, so it is taken here.
+        # (``_internal/blocks/graphs.py``); nnsight's VLLM would refuse it, so it is taken here.
         asked = kwargs.pop("enforce_eager", None)
         if asked and self.taps:
             raise ValueError(f"enforce_eager=True contradicts taps={list(self.taps)!r}: taps are served from "
@@ -158,7 +159,7 @@ class LocalVLLM(VLLM):
         return llm
 
     def _load_async(self, repo_id: str, **kwargs: Any) -> Any:
-        """nnsight's async engine, resolved with ``vllm.LLM``'s defaults (``_internal/parity.py``).
+        """nnsight's async engine, resolved with ``vllm.LLM``'s defaults (``_internal/engine/parity.py``).
 
         nnsight builds ``AsyncLLM`` from bare ``AsyncEngineArgs``, whose usage
         context no default table names (128 sequences / 2048 tokens a step on an
@@ -168,7 +169,7 @@ class LocalVLLM(VLLM):
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from ._internal.parity import OFFLINE, entrypoint_kwargs
+        from ._internal.engine.parity import OFFLINE, entrypoint_kwargs
 
         kwargs["enforce_eager"] = not self._graphs  # see _load
         kwargs, _ = entrypoint_kwargs(kwargs, OFFLINE)
@@ -184,9 +185,9 @@ class LocalVLLM(VLLM):
         # A loop of invokes shares one block: it is reduced to source once (see `_internal.shared_blocks`).
         from contextlib import nullcontext
 
-        from ._internal import envoy_refs
-        from ._internal.shared_blocks import shared_reductions
-        from ._internal.timeline import ATTACHED, CALLER
+        from ._internal.blocks import envoy_refs
+        from ._internal.blocks.shared_blocks import shared_reductions
+        from ._internal.observe.timeline import ATTACHED, CALLER
 
         began = time.monotonic()
         refs = envoy_refs.same_tree_as_ranks(self, self._pipeline_stages())
@@ -219,7 +220,7 @@ class LocalVLLM(VLLM):
         is reserved in this process (see ``ray_executor.configure_engine_kwargs``), so it
         outlives the engine core unless released here. Safe to call twice.
         """
-        from ._internal.options import release_placement_group
+        from ._internal.cluster.placement import release_placement_group
 
         engine, self.vllm_entrypoint = getattr(self, "vllm_entrypoint", None), None
         if engine is not None:

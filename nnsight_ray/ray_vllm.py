@@ -25,9 +25,9 @@ import uuid
 from typing import Any
 
 from .errors import EngineDeadError
-from ._internal import ray_errors
-from ._internal.options import RAY_OPTION_NAMES
-from ._internal.timeline import CALLER, SENT, with_gc
+from ._internal.cluster import ray_errors
+from ._internal.cluster.placement import RAY_OPTION_NAMES
+from ._internal.observe.timeline import CALLER, SENT, with_gc
 from .local import LocalVLLM
 from .refs import RayRefBackend, no_ref
 
@@ -81,7 +81,7 @@ class RemoteEngine:
     def records(self) -> Any:
         """Every actor of the deployment (``liveness.DeploymentRecords``), asked once of the engine."""
         if self._records is None:
-            from ._internal.liveness import ENGINE, MERGE, ActorRecord, DeploymentRecords, actor_id
+            from ._internal.cluster.liveness import ENGINE, MERGE, ActorRecord, DeploymentRecords, actor_id
 
             try:
                 self._records = ray_errors.get(self.engine.get_records.remote(), timeout=PING_TIMEOUT_S)
@@ -95,14 +95,14 @@ class RemoteEngine:
     def survey(self) -> list[Any]:
         """Every actor's ``liveness.ActorState`` (GCS reads)."""
         from ._internal.deploy import gcs_actor_entry
-        from ._internal.liveness import read_states
+        from ._internal.cluster.liveness import read_states
 
         return read_states(self.records().all(), gcs_actor_entry)
 
     def dead(self, error: BaseException | None = None) -> EngineDeadError:
         """The deployment's death, named as its engine and merge actors name it."""
         from ._internal.deploy import alive_nodes
-        from ._internal.liveness import dead_message, engine_dead
+        from ._internal.cluster.liveness import dead_message, engine_dead
 
         message = dead_message(self.survey(), alive_nodes())
         return EngineDeadError(message or engine_dead(f"an actor of deployment {self.name} died ({error})"))
@@ -224,7 +224,7 @@ class RemoteEngine:
         """The rank actors' handles, in rank order."""
         import ray
 
-        from ._internal.options import NAMESPACE
+        from ._internal.cluster.placement import NAMESPACE
 
         if getattr(self, "_ranks", None) is None:
             self._ranks = [ray.get_actor(r.name, namespace=NAMESPACE) for r in self.records().ranks]
@@ -244,7 +244,7 @@ class RemoteEngine:
         """
         from vllm import SamplingParams
 
-        from ._internal.extract import check_locations, request_args
+        from ._internal.extract.capture import check_locations, request_args
 
         check_locations(locations, self.module_names)
         indices = list(range(len(prompts))) if indices is None else list(indices)
@@ -275,7 +275,7 @@ class RemoteEngine:
         """The engine actor's health; if it cannot answer, what the GCS says of every actor."""
         import ray
 
-        from ._internal.liveness import as_dicts
+        from ._internal.cluster.liveness import as_dicts
 
         try:
             return self.wait(self.engine.health.remote(), timeout=3 * PING_TIMEOUT_S)
@@ -337,7 +337,7 @@ class RayVLLM(LocalVLLM):
         try:
             super().__init__(model, **nnsight_kwargs, **engine_kwargs)
             if self.taps:  # the operations sourced taps name, on the meta tree (a miss takes the launch down)
-                from ._internal.graphs import open_sourced
+                from ._internal.blocks.graphs import open_sourced
 
                 open_sourced(self, self._resolve_taps(self._module))
             # Edits installed by other clients of a shared deployment are unseen
@@ -356,7 +356,7 @@ class RayVLLM(LocalVLLM):
                 **kwargs: Any) -> Any:
         """Start a deployment of ``model`` (``RayVLLM`` arguments) without waiting for it."""
         from ._internal import deploy
-        from ._internal.options import RankPlacement, connect_ray
+        from ._internal.cluster.placement import RankPlacement, connect_ray
 
         connect_ray()
         placement = RankPlacement.from_options({k: kwargs.pop(k) for k in list(kwargs) if k in RAY_OPTION_NAMES})
@@ -407,7 +407,7 @@ class RayVLLM(LocalVLLM):
     def connect(cls, name: str, **nnsight_kwargs: Any) -> "RayVLLM":
         """Attach to the running deployment ``name`` from any process in the cluster."""
         from ._internal import deploy
-        from ._internal.options import connect_ray
+        from ._internal.cluster.placement import connect_ray
 
         connect_ray()
         deployment = deploy.connect(name)
@@ -474,7 +474,7 @@ class RayVLLM(LocalVLLM):
         """The engine's resolved vLLM config, ``{"config": {"section.field": repr}, "log": start line}``.
 
         What nnsight changed from vLLM's own entry point's resolution, and why,
-        is the log line (``_internal/parity.py``).
+        is the log line (``_internal/engine/parity.py``).
         """
         return self.vllm_entrypoint.resolved_config()
 
@@ -482,7 +482,7 @@ class RayVLLM(LocalVLLM):
         """What the engine did from ``since`` (``time.monotonic()`` on the engine's host) on: the engine
         actor's submits, adds and request ends, each rank's steps (start, tokens, end), the merge actors'
         fetches and hand-backs, and this process's attaches and sends (``caller``); a diagnostic
-        (``_internal/timeline.py``; ``scripts/bench_gpu.py`` prints one line per workload)."""
+        (``_internal/observe/timeline.py``; ``scripts/bench_gpu.py`` prints one line per workload)."""
         return self.vllm_entrypoint.timeline(since)
 
     def request_counts(self) -> list[int]:

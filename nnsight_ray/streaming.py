@@ -26,7 +26,7 @@ from typing import Any
 
 from nnsight.tracing.backend import Backend
 
-from ._internal.ray_errors import call_errors
+from ._internal.cluster.ray_errors import call_errors
 
 
 class RayStreamBackend(Backend):

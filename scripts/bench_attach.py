@@ -1,7 +1,7 @@
 """The caller's cost of one trace of N invokes: its state pickled once per attach vs once per invoke.
 
 A loop of invokes that reads the same objects (the model, a layer index, a flag)
-has one state for all of them; ``_internal/shared_blocks.py`` pickles it once per
+has one state for all of them; ``_internal/blocks/shared_blocks.py`` pickles it once per
 attach (``_state_key``). This times, in one process and alternating, the same
 trace with that sharing and with the state pickled per invoke (the sharing turned
 off for the run by giving each attach a cache that keeps nothing):
@@ -54,8 +54,8 @@ def main() -> None:
 
     from nnsight.tracing.backend import Backend
 
-    from nnsight_ray._internal import shared_blocks
-    from nnsight_ray._internal.timeline import ATTACHED, CALLER
+    from nnsight_ray._internal.blocks import shared_blocks
+    from nnsight_ray._internal.observe.timeline import ATTACHED, CALLER
     from nnsight_ray.models import build_model
     from nnsight_ray.refs import build
 

@@ -231,7 +231,7 @@ class Bench:
                      "vllm-mp-eager": {"distributed_executor_backend": "mp", "enforce_eager": True},
                      "vllm-ray": {"distributed_executor_backend": "ray"}}.get(self.engine, {})
             self.llm = LLM(path, **kwargs, **extra)
-            from nnsight_ray._internal.parity import config_summary
+            from nnsight_ray._internal.engine.parity import config_summary
 
             print(f"[{self.engine}] kernels: {kernel_choices(config_summary(self.llm.llm_engine.vllm_config))}",
                   flush=True)
@@ -249,7 +249,7 @@ class Bench:
             import ray
 
             from nnsight_ray import RayVLLM
-            from nnsight_ray._internal.timeline import watch_gc
+            from nnsight_ray._internal.observe.timeline import watch_gc
 
             watch_gc()  # this process's long collections go into the rows' timelines ("caller gc")
             ray.init(namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
@@ -279,12 +279,12 @@ class Bench:
         return dict(self.model.step_modes()[0])
 
     def timeline(self, began: float, ended: float) -> str:
-        """The run from ``began`` to ``ended`` (``time.monotonic``) as a timeline (``_internal/timeline.py``);
+        """The run from ``began`` to ``ended`` (``time.monotonic``) as a timeline (``_internal/observe/timeline.py``);
         RayVLLM rows only (its actors run on this host, on this clock)."""
         if not self.engine.startswith("ray") or self.model is None:
             return ""
         try:  # a diagnostic: never fails the row (an older tree, --tree, has none)
-            from nnsight_ray._internal.timeline import summarize
+            from nnsight_ray._internal.observe.timeline import summarize
 
             got = self.model.timeline(began)
         except Exception as error:

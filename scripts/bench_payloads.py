@@ -38,12 +38,12 @@ class Rank:
                                   "registered": {}, "sequences": {}}} for i in range(requests)]
         import gc
 
-        import nnsight_ray._internal.payload  # noqa: F401
+        import nnsight_ray._internal.merge.payload  # noqa: F401
 
         gc.freeze()  # as vLLM freezes a rank's startup heap: a full collection then skips it
 
     def take(self, form: str) -> list:
-        from nnsight_ray._internal import payload
+        from nnsight_ray._internal.merge import payload
 
         return payload.dumps_each(self.values) if form == "bytes" else payload.ship_each(self.values)
 
@@ -55,7 +55,7 @@ class Merge:
 
         from nnsight.modeling.vllm.engines.engine import merge_collected  # noqa: F401
 
-        import nnsight_ray._internal.payload  # noqa: F401
+        import nnsight_ray._internal.merge.payload  # noqa: F401
 
         self.rank = rank
         gc.freeze()  # as the merge actor freezes its startup heap
@@ -63,7 +63,7 @@ class Merge:
     async def fetch(self, form: str) -> tuple[float, int]:
         from nnsight.modeling.vllm.engines.engine import merge_collected
 
-        from nnsight_ray._internal.payload import arrived
+        from nnsight_ray._internal.merge.payload import arrived
 
         began = time.perf_counter()
         taken = await self.rank.take.remote(form)

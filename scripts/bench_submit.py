@@ -17,7 +17,7 @@ async def main():
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
     from bench_gpu import extract_prompts
-    from nnsight_ray._internal.engine import EngineCore
+    from nnsight_ray._internal.engine.core import EngineCore
     from nnsight_ray.models import ensure_model
 
     path = str(ensure_model("/tmp/bench-llama", arch="llama"))

@@ -290,7 +290,7 @@ def connect(args: argparse.Namespace):
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    from nnsight_ray._internal.options import NAMESPACE
+    from nnsight_ray._internal.cluster.placement import NAMESPACE
 
     if ray.is_initialized():
         return None

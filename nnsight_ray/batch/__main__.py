@@ -89,7 +89,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             from .local_cluster import LocalCluster
 
             cluster = LocalCluster(args.local_cluster, args.cpus_per_node)
-        from .._internal.options import connect_ray
+        from .._internal.cluster.placement import connect_ray
         from .runner import run_batch
 
         connect_ray(args.address)

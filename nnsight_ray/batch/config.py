@@ -36,7 +36,7 @@ from typing import Any, Literal, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .._internal.options import PlacementStrategy, RankPlacement
+from .._internal.cluster.placement import PlacementStrategy, RankPlacement
 from .errors import BatchConfigError
 
 __all__ = [

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import BatchConfigError
-from .._internal.module_paths import missing_module
+from .._internal.blocks.module_paths import missing_module
 
 if TYPE_CHECKING:
     import torch

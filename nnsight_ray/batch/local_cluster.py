@@ -104,7 +104,7 @@ class LocalCluster:
         os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
         import ray
 
-        from .._internal.options import NAMESPACE
+        from .._internal.cluster.placement import NAMESPACE
 
         for attempt in range(1, _ATTEMPTS + 1):
             before = _children()

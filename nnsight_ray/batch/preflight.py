@@ -131,7 +131,7 @@ def _check_engine_kwargs(kwargs: dict[str, Any]) -> None:
             "see `vllm serve --help` (argument names with '_' for '-')"
         )
     from ..errors import RequestError
-    from .._internal.graphs import engine_mode
+    from .._internal.blocks.graphs import engine_mode
 
     try:
         engine_mode(kwargs)  # enforce_eager / taps (CUDA graphs): contradictions are refused here
@@ -164,7 +164,7 @@ def _meta_module(model_path: str, engine_kwargs: dict[str, Any]) -> Any:
 
 def _check_taps(meta: Any, taps: list[str]) -> None:
     """Each tap names a module of the tree, and each operation inside a forward one that forward has."""
-    from .._internal.graphs import open_sourced
+    from .._internal.blocks.graphs import open_sourced
 
     meta.taps = tuple(taps)
     try:

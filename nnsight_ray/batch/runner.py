@@ -254,7 +254,7 @@ class BatchRunner:
         """An activation chunk's next phase: its outputs are back -> the ranks' commits; commits back -> its rows."""
         import ray
 
-        from .._internal.ray_errors import get as ray_get
+        from .._internal.cluster.ray_errors import get as ray_get
 
         if entry.commits is None:
             if isinstance(outcome, BaseException):
@@ -284,7 +284,7 @@ class BatchRunner:
         """Resolved refs with their result (``{"saves", "error"}``) or the exception."""
         import ray
 
-        from .._internal.ray_errors import get as ray_get
+        from .._internal.cluster.ray_errors import get as ray_get
 
         refs = list(in_flight)
         ready, _ = ray.wait(refs, num_returns=1, timeout=1.0)

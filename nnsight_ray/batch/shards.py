@@ -185,7 +185,7 @@ class RunDir:
 
     def _finished_activations(self, plans: Iterable[ShardPlan]) -> dict[int, ShardRecord]:
         """Activation shards: a record file (written last, after the ranks' files) whose files are all whole."""
-        from .._internal.safetensors_io import safetensors_complete
+        from .._internal.extract.safetensors_io import safetensors_complete
 
         done = {}
         for plan in plans:

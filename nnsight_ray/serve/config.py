@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from .._internal.options import PlacementStrategy, RankPlacement
+from .._internal.cluster.placement import PlacementStrategy, RankPlacement
 from .jobs import JobLimits
 
 __all__ = ["API_KEY_ENV", "DEFAULT_MAX_BODY_BYTES", "ServeArgs", "ServeArgsError"]
@@ -102,7 +102,7 @@ class ServeArgs(BaseModel):
             if clash:
                 raise ValueError(f"engine_kwargs sets {clash}; give them as build_app arguments instead")
             from ..errors import RequestError
-            from .._internal.graphs import engine_mode
+            from .._internal.blocks.graphs import engine_mode
 
             try:
                 engine_mode(value)  # enforce_eager / taps (CUDA graphs): a contradiction is refused here

@@ -36,7 +36,7 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from .._internal import metrics
+from .._internal.observe import metrics
 from .config import ServeArgs
 from .metering import MetricsMiddleware
 from .openai_api import (SSE_DONE, ChatRequest, StreamChunks, chat_prompt, chat_response, error_body, models_list,
@@ -60,7 +60,7 @@ HEALTH_TIMEOUT_S = 20.0
 
 def _cause(error: BaseException) -> BaseException:
     """The exception an actor or replica raised, without Ray's wrapping."""
-    from .._internal.ray_errors import cause
+    from .._internal.cluster.ray_errors import cause
 
     return cause(error)
 
@@ -88,7 +88,7 @@ class NNsightRegistry:
     async def _rpc(self, engine: str, method: str, args: tuple) -> Any:
         import ray
 
-        from .._internal.options import NAMESPACE
+        from .._internal.cluster.placement import NAMESPACE
 
         actor = self._actors.get(engine)
         if actor is None:

@@ -62,7 +62,7 @@ class JobsClient:
             raise AttributeError(method)
 
         async def call(*args: Any) -> Any:
-            from .._internal.ray_errors import cause
+            from .._internal.cluster.ray_errors import cause
 
             try:
                 return await self.handle.call.remote(method, *args)

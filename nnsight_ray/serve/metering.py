@@ -3,14 +3,14 @@
 It wraps the application inside the API-key gate (refused requests are not
 measured) and counts a request from its arrival until its response's last
 byte, so a stream stays in flight until it ends. The metrics themselves are
-defined in ``nnsight_ray._internal.metrics`` (``docs/metrics.md``).
+defined in ``nnsight_ray._internal.observe.metrics`` (``docs/metrics.md``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .._internal import metrics
+from .._internal.observe import metrics
 from .security import Receive, Scope, Send, route_path
 
 __all__ = ["MEASURED_ROUTES", "MetricsMiddleware"]

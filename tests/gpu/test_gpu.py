@@ -1,7 +1,7 @@
 """LocalVLLM and RayVLLM on the GPU, against transformers on the same weights.
 
 Every save here is *raw* (no ``.clone()``): vLLM's CUDA kernels write the
-tensors a block was handed in place (``_internal/snapshot.py``), so these are
+tensors a block was handed in place (``_internal/blocks/snapshot.py``), so these are
 the tests that a saved value is what the model produced at that moment.
 
 vLLM's ``LlamaDecoderLayer`` returns ``(hidden, residual)`` with the residual

@@ -4,7 +4,7 @@ Two engines: ``RayVLLM(taps=[layers.*.output, layers.*.mlp.output, an o_proj ins
 whose blocks wait only on taps replay breakable graphs; others run eagerly)
 and ``LocalVLLM(enforce_eager=False)`` (no taps: graphs on every step no block
 needs). Every save is raw (no clone): a value saved on a replayed step is
-that step's, not what the graph wrote there later (``_internal/snapshot.py``).
+that step's, not what the graph wrote there later (``_internal/blocks/snapshot.py``).
 Each test also checks which way its steps ran (``step_modes()``).
 
 Decode step k (k >= 1) processes the k-th generated token; its row is the

@@ -1,4 +1,4 @@
-"""Hundreds of received blocks with nested ``with`` statements, on one long-lived rank (``_internal/block_names.py``).
+"""Hundreds of received blocks with nested ``with`` statements, on one long-lived rank (``_internal/blocks/block_names.py``).
 
 nnsight 0.8.1 names a received block ``<edit-{id(mediator)}>`` and memoizes a
 nested ``with`` by that name forever; sequential traces on one rank reuse

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from conftest import ENGINE_KWARGS
 
-from nnsight_ray._internal import parity
+from nnsight_ray._internal.engine import parity
 
 # Fields that differ only because the ranks are nnsight_ray's Ray actors.
 EXECUTOR_ONLY = {"parallel_config.worker_cls", "parallel_config.distributed_executor_backend",

@@ -795,7 +795,7 @@ def start_waiters(model, streamer) -> dict:
     import asyncio
     import threading
 
-    from nnsight_ray._internal.timeline import ADDED
+    from nnsight_ray._internal.observe.timeline import ADDED
 
     outcomes: dict = {}
 

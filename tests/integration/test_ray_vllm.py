@@ -91,7 +91,7 @@ def test_a_call_on_an_idle_engine_starts_in_one_step_and_the_scheduler_goes_on(r
     the call's first step prefills every prompt (unheld, the core stepped on the first arrivals:
     ``scripts/bench_gpu.py --cpu`` showed a first step of 30 tokens of 2,550), and the scheduler runs
     again after (a second call finishes)."""
-    from nnsight_ray._internal.timeline import STEP
+    from nnsight_ray._internal.observe.timeline import STEP
 
     prompts = [f"prompt {i}: the quick brown fox jumps" for i in range(24)]
     since = time.monotonic()
@@ -371,14 +371,14 @@ def _named_actors(prefix: str) -> list[str]:
 def test_a_detached_reservation_stays_until_reclaimed_by_name(ray_cluster, tmp_path):
     """A detached deployment's group outlives its driver (and is removed by name: shutdown, or
     the next deployment of that name in deploy.launch)."""
-    from nnsight_ray._internal.options import RankReservation, placement_group_name
+    from nnsight_ray._internal.cluster.placement import RankReservation, placement_group_name
 
     name = "killed-driver-detached"
     script = tmp_path / "reserving_driver.py"
     script.write_text(textwrap.dedent("""
         import sys, time, ray
         ray.init(address=sys.argv[1], namespace="nnsight_ray")
-        from nnsight_ray._internal.options import RankPlacement, plan_placement
+        from nnsight_ray._internal.cluster.placement import RankPlacement, plan_placement
         plan_placement(RankPlacement(engine_name=sys.argv[2], device="cpu"), 2, detached=True)
         print("reserved", flush=True)
         time.sleep(600)

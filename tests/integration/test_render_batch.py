@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from nnsight_ray._internal.render import render_batch
+from nnsight_ray._internal.engine.render import render_batch
 from nnsight_ray.models import _build_gpt2_tokenizer
 
 PROMPTS = ["Hello world", "", "héllo wörld — 東京", "the quick brown fox " * 10, "<|endoftext|> and <s> as text",

@@ -159,7 +159,7 @@ def test_activation_part_names():
 
 
 def test_rank_capture_reads_the_residual_stream():
-    from nnsight_ray._internal.extract import capture
+    from nnsight_ray._internal.extract.capture import capture
 
     hidden, res = torch.randn(5, 4), torch.randn(5, 4)
     rows = torch.tensor([1, 3])
@@ -544,7 +544,7 @@ def test_cli_build_model_delegates(tmp_path, monkeypatch):
 def test_activation_files_are_safetensors_written_from_pieces(tmp_path):
     from safetensors.torch import load_file
 
-    from nnsight_ray._internal.safetensors_io import write_safetensors
+    from nnsight_ray._internal.extract.safetensors_io import write_safetensors
 
     a = torch.randn(7, 3, dtype=torch.bfloat16)
     ids = torch.arange(7, dtype=torch.int64)
@@ -553,7 +553,7 @@ def test_activation_files_are_safetensors_written_from_pieces(tmp_path):
     got = load_file(str(path))
     assert torch.equal(got["h"], a) and got["h"].dtype == torch.bfloat16 and torch.equal(got["ids"], ids)
 
-    from nnsight_ray._internal.safetensors_io import safetensors_complete
+    from nnsight_ray._internal.extract.safetensors_io import safetensors_complete
 
     assert safetensors_complete(str(path))
     with open(path, "r+b") as handle:  # cut short, as a crash without fsync can leave it

@@ -1,4 +1,4 @@
-"""``_internal/block_names.py`` on nnsight's real Mediator deserialization (no engine)."""
+"""``_internal/blocks/block_names.py`` on nnsight's real Mediator deserialization (no engine)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import linecache
 from nnsight.intervention.interleaver import Mediator
 from nnsight.tracing import globals as nnsight_globals
 
-from nnsight_ray._internal.block_names import forget, rename
+from nnsight_ray._internal.blocks.block_names import forget, rename
 
 SOURCE = "def inner():\n    return 1\nx = inner()\n"
 
@@ -67,7 +67,7 @@ def test_blocks_from_nnsight_rays_caller_compile_once_per_source_and_count_like_
     """``rebuild_mediator`` (what ``shared_blocks`` pickles to): one compile for a trace's 300 invokes."""
     import builtins
 
-    from nnsight_ray._internal import block_names
+    from nnsight_ray._internal.blocks import block_names
 
     compiled = []
     real_compile = builtins.compile

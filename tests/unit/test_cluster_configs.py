@@ -350,7 +350,7 @@ def serve_configs() -> list[tuple[str, dict[str, Any]]]:
 def test_serve_config_validates_with_serves_schema(name, config):
     from ray.serve.schema import ServeDeploySchema
 
-    from nnsight_ray._internal.options import RankPlacement
+    from nnsight_ray._internal.cluster.placement import RankPlacement
 
     schema = ServeDeploySchema.model_validate(config)
     (app,) = schema.applications
@@ -386,7 +386,7 @@ def batch_configs(tmp_path: Path) -> list[Path]:
 
 
 def test_batch_configs_use_the_documented_keys(tmp_path):
-    from nnsight_ray._internal.options import RankPlacement
+    from nnsight_ray._internal.cluster.placement import RankPlacement
 
     for path in batch_configs(tmp_path):
         config = yaml.safe_load(path.read_text())

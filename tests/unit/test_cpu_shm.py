@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nnsight_ray._internal import cpu_worker
+from nnsight_ray._internal.ranks import cpu_worker
 
 
 @pytest.mark.parametrize(

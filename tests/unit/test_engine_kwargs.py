@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nnsight_ray._internal.graphs import TAPS_KEY, engine_env, engine_mode
+from nnsight_ray._internal.blocks.graphs import TAPS_KEY, engine_env, engine_mode
 from nnsight_ray.errors import RequestError
 
 

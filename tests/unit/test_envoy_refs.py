@@ -18,7 +18,7 @@ def trees(tmp_path_factory):
 
 
 def rank_objects(rank):
-    from nnsight_ray._internal.envoy_refs import envoy_objects
+    from nnsight_ray._internal.blocks.envoy_refs import envoy_objects
 
     return {**rank._remoteable_persistent_objects(), **envoy_objects(rank)}
 
@@ -26,7 +26,7 @@ def rank_objects(rank):
 def test_a_block_names_the_rank_envoys_and_is_a_fraction_of_the_size(trees):
     from nnsight.intervention.serialization import dumps, loads
 
-    from nnsight_ray._internal.envoy_refs import by_reference
+    from nnsight_ray._internal.blocks.envoy_refs import by_reference
 
     client, rank = trees
     held = {"model": client, "layer": client.model.layers[2], "n": 3}
@@ -45,7 +45,7 @@ def test_a_block_names_the_rank_envoys_and_is_a_fraction_of_the_size(trees):
 def test_tags_exist_only_inside_and_never_under_another_threads_pickle(trees):
     from nnsight.intervention.serialization import dumps
 
-    from nnsight_ray._internal.envoy_refs import by_reference
+    from nnsight_ray._internal.blocks.envoy_refs import by_reference
 
     client, _ = trees
     sizes, errors = [], []
@@ -69,7 +69,7 @@ def test_tags_exist_only_inside_and_never_under_another_threads_pickle(trees):
 
 
 def test_by_value_where_the_rank_tree_differs(trees):
-    from nnsight_ray._internal.envoy_refs import same_tree_as_ranks
+    from nnsight_ray._internal.blocks.envoy_refs import same_tree_as_ranks
 
     client, _ = trees
     assert same_tree_as_ranks(client, 1)

@@ -2,7 +2,7 @@
 
 ``RayExecutorV2._init_executor`` has no seam for the rank actor class, the
 actor names or the bundle order, so ``NNsightRayExecutor._init_executor``
-follows its steps (``_internal/ray_executor.py`` says which and how it
+follows its steps (``_internal/ranks/executor.py`` says which and how it
 differs). ``_get_actor_resource_kwargs`` is replaced, not extended. When a
 vLLM upgrade changes either, this fails and names the method to re-read; once
 ours follows the new one again, update its hash here.
@@ -35,7 +35,7 @@ def test_the_vllm_executor_steps_we_follow_are_unchanged(method):
     assert digest == PINNED[method], (
         f"vLLM {vllm.__version__} changed RayExecutorV2.{method} "
         f"({inspect.getsourcefile(RayExecutorV2)}). Re-read it against NNsightRayExecutor.{method} "
-        f"in nnsight_ray/_internal/ray_executor.py, carry over what changed, then set its hash here to {digest}."
+        f"in nnsight_ray/_internal/ranks/executor.py, carry over what changed, then set its hash here to {digest}."
     )
 
 
@@ -54,7 +54,7 @@ def test_the_hooks_we_extend_are_still_vllms_seams():
     must still call both hooks (an early rank is created with what they return, ``start_ranks_early``)."""
     from vllm.v1.executor.ray_executor_v2 import RayExecutorV2
 
-    from nnsight_ray._internal.ray_executor import NNsightRayExecutor
+    from nnsight_ray._internal.ranks.executor import NNsightRayExecutor
 
     assert NNsightRayExecutor._build_runtime_env is not RayExecutorV2._build_runtime_env
     source = inspect.getsource(NNsightRayExecutor._init_executor)
@@ -69,7 +69,7 @@ def test_an_early_rank_is_adopted_only_if_created_as_the_executor_would():
 
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from nnsight_ray._internal.ray_executor import actor_check, expected_check
+    from nnsight_ray._internal.ranks.executor import actor_check, expected_check
 
     pg = SimpleNamespace(id=SimpleNamespace(hex=lambda: "ab12"))
     options = {"num_gpus": 1, "runtime_env": {"env_vars": {"X": "1"}},

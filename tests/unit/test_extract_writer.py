@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-from nnsight_ray._internal import extract, extract_rows, host_memory
+from nnsight_ray._internal.extract import capture as extract, rows as extract_rows, host_memory
 
 
 def test_an_idle_writer_returns_pinned_memory_after_the_rows_are_freed(tmp_path, monkeypatch):

@@ -18,12 +18,12 @@ import torch
 # first import inside a scenario would block its event loop for seconds.
 from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
 
-from nnsight_ray._internal import liveness
-from nnsight_ray._internal.engine import SHUTDOWN_AFTER_DEATH_S, EngineCore, Report
-from nnsight_ray._internal.liveness import ActorRecord, ActorState
-from nnsight_ray._internal.merge import MergeBook
-from nnsight_ray._internal.payload import dumps
-from nnsight_ray._internal.rank_worker import serialize_entry
+from nnsight_ray._internal.cluster import liveness
+from nnsight_ray._internal.engine.core import SHUTDOWN_AFTER_DEATH_S, EngineCore, Report
+from nnsight_ray._internal.cluster.liveness import ActorRecord, ActorState
+from nnsight_ray._internal.merge.book import MergeBook
+from nnsight_ray._internal.merge.payload import dumps
+from nnsight_ray._internal.ranks.rpcs import serialize_entry
 from nnsight_ray.errors import EngineDeadError
 
 
@@ -192,7 +192,7 @@ def test_plain_requests_are_not_collected_unless_a_registered_block_may_have_run
 
 
 def test_stash_put_expires_the_oldest_without_rescanning(monkeypatch):
-    from nnsight_ray._internal import rank_worker
+    from nnsight_ray._internal.ranks import rpcs as rank_worker
 
     monkeypatch.setattr(rank_worker, "_stash", type(rank_worker._stash)())
     monkeypatch.setattr(rank_worker, "STASH_TTL_S", 10.0)
@@ -385,7 +385,7 @@ def test_an_unpicklable_save_fails_only_its_request_and_names_the_value():
 
 
 def test_a_batch_take_serializes_each_request_alone_and_an_unpicklable_one_fails_alone():
-    from nnsight_ray._internal import rank_worker
+    from nnsight_ray._internal.ranks import rpcs as rank_worker
 
     entry = lambda saves: {"saves": saves, "error": None, "registered": {}, "sequences": {}}  # noqa: E731
     rank_worker.stash_put("t1", entry({"h": torch.ones(2)}))
@@ -393,7 +393,7 @@ def test_a_batch_take_serializes_each_request_alone_and_an_unpicklable_one_fails
     rank_worker.stash_put("t3", b"")  # a request that saved nothing
     rank_worker.stash_put("t4", entry({"h": torch.zeros(3), "n": 4}))
     taken = rank_worker.take_serialized(["t1", "t2", "t3", "t4", "gone"])
-    from nnsight_ray._internal import payload
+    from nnsight_ray._internal.merge import payload
 
     def through_ray(value):  # what Ray does with the merge actor's call result: protocol 5, buffers out of band
         buffers: list = []
@@ -444,7 +444,7 @@ def test_bad_prompts_and_params_are_refused_in_words():
 def test_vllms_empty_generate_error_comes_back_with_its_cause():
     from vllm.v1.engine.exceptions import EngineGenerateError
 
-    from nnsight_ray._internal.engine import refusal
+    from nnsight_ray._internal.engine.core import refusal
     from nnsight_ray.errors import RequestError
 
     try:
@@ -520,7 +520,7 @@ def test_submitted_requests_ask_vllm_for_the_final_output_only_streams_for_every
 
 def test_a_merge_book_hands_its_death_message_to_who_waits_for_it():
     """``MergeBook.death``: the message as soon as ``fail`` is called, None if it is not in time."""
-    from nnsight_ray._internal.merge import MergeBook
+    from nnsight_ray._internal.merge.book import MergeBook
 
     async def scenario():
         book = MergeBook(abandon_after_s=10, ttl_s=60)
@@ -601,7 +601,7 @@ def test_one_calls_prompts_render_together_then_start_together():
 
 def test_a_long_call_renders_in_batches_of_about_a_step_each_added_before_the_next_renders(monkeypatch):
     """2,048 long prompts: the core steps on the first batch while the next is tokenized."""
-    from nnsight_ray._internal import render as engine
+    from nnsight_ray._internal.engine import render as engine
 
     assert engine.render_batches(["a" * 5] * 5, 25) == [range(0, 5)]  # one step's worth: one batch
     assert engine.render_batches([{"prompt_token_ids": [1] * 5}, "x" * 5], 25) == [range(0, 2)]  # 20 + 5 chars
@@ -655,7 +655,7 @@ class HoldingLLM(RenderingLLM):
 def test_an_idle_engine_holds_its_scheduler_until_a_calls_adds_are_sent():
     """On an idle engine a call's requests are added with vLLM's scheduler paused ("keep": nothing steps)
     and resumed after the last add, so they start in one step; a busy engine is never paused."""
-    from nnsight_ray._internal import engine
+    from nnsight_ray._internal.engine import core as engine
 
     assert engine.HOLD_ADDS  # the default
 

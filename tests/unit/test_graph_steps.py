@@ -1,4 +1,4 @@
-"""Which way a step runs on a graph engine (``_internal/graphs.py``): the rule, on plain stand-ins for nnsight's mediators."""
+"""Which way a step runs on a graph engine (``_internal/blocks/graphs.py``): the rule, on plain stand-ins for nnsight's mediators."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from nnsight.intervention.interleaver import Event, Pending
 
-from nnsight_ray._internal.graphs import (ANY, EAGER, PIECEWISE, StepModes, _count_unvisited, served_taps,
+from nnsight_ray._internal.blocks.graphs import (ANY, EAGER, PIECEWISE, StepModes, _count_unvisited, served_taps,
                                           sourced, step_need)
 
 TAPS = frozenset({"model.model.layers.1.output", "model.model.layers.2.output"})
@@ -43,7 +43,7 @@ def _loaded_rank(mode, stages, patterns=(), nnsight_taps=frozenset()):
     """``GraphStepsRunnerMixin.load_model`` over stand-ins for nnsight's runner (no engine): the taps it leaves."""
     from nnsight.modeling.vllm.interleaver import VLLMInterleaver
 
-    from nnsight_ray._internal.graphs import TAPS_KEY, GraphStepsRunnerMixin
+    from nnsight_ray._internal.blocks.graphs import TAPS_KEY, GraphStepsRunnerMixin
 
     class Dispatcher:
         def dispatch(self, *args, **kwargs):
@@ -94,7 +94,7 @@ def test_a_sourced_tap_must_name_an_operation_of_its_forward():
     import torch
     from nnsight import NNsight
 
-    from nnsight_ray._internal.graphs import open_sourced
+    from nnsight_ray._internal.blocks.graphs import open_sourced
 
     class Attn(torch.nn.Module):
         def forward(self, x):
@@ -176,7 +176,7 @@ def test_a_replayed_step_counts_a_visit_of_every_untapped_module_location():
 
 
 def test_the_strongest_need_wins():
-    from nnsight_ray._internal.graphs import strongest
+    from nnsight_ray._internal.blocks.graphs import strongest
 
     assert strongest(ANY, PIECEWISE) == PIECEWISE and strongest(EAGER, PIECEWISE, ANY) == EAGER
     assert strongest(ANY, ANY) == ANY
@@ -188,7 +188,7 @@ def _extracting_runner(taps, graphs=True):
     from nnsight.intervention.batching import Batcher
     from nnsight.modeling.vllm.interleaver import VLLMInterleaver
 
-    from nnsight_ray._internal.extract import ExtractRunnerMixin
+    from nnsight_ray._internal.extract.capture import ExtractRunnerMixin
 
     interleaver = VLLMInterleaver(taps)
     interleaver.batcher = Batcher(None)

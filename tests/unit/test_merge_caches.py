@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from nnsight.intervention.cache import Cache, CacheView, Entry
 
-from nnsight_ray._internal.merge import merge_request
+from nnsight_ray._internal.merge.book import merge_request
 
 
 def _payload(request_id: str, entries: dict, other: dict | None = None) -> bytes:

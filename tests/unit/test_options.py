@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from nnsight_ray._internal.options import (
+from nnsight_ray._internal.cluster.placement import (
     ADDITIONAL_CONFIG_KEY,
     RAY_OPTION_NAMES,
     PlacementPlan,
     RankPlacement,
     split_ray_options,
 )
-from nnsight_ray._internal.ray_executor import configure_engine_kwargs, engine_kwargs_with
+from nnsight_ray._internal.ranks.executor import configure_engine_kwargs, engine_kwargs_with
 
 
 def test_split_separates_placement_options_from_engine_kwargs():
@@ -57,7 +57,7 @@ def test_defaults():
                                                ("false", False), ("OFF", False), ("no", False)])
 def test_early_ranks_is_on_unless_the_environment_turns_it_off(monkeypatch, env, expected):
     """Session 25 measured it on the H200 (62-66 s starts against 87-99 s) and made it the default."""
-    from nnsight_ray._internal.options import EARLY_RANKS_ENV
+    from nnsight_ray._internal.cluster.placement import EARLY_RANKS_ENV
 
     if env is None:
         monkeypatch.delenv(EARLY_RANKS_ENV, raising=False)
@@ -140,15 +140,15 @@ def test_options_does_not_import_the_executor():
     import subprocess
     import sys
 
-    code = ("import sys, nnsight_ray._internal.options, nnsight_ray.batch.config, nnsight_ray.serve.config; "
-            "sys.exit('nnsight_ray._internal.ray_executor' in sys.modules)")
+    code = ("import sys, nnsight_ray._internal.cluster.placement, nnsight_ray.batch.config, nnsight_ray.serve.config; "
+            "sys.exit('nnsight_ray._internal.ranks.executor' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_a_local_ray_instance_on_a_routable_address_is_warned_about(caplog):
-    from nnsight_ray._internal.options import warn_if_reachable
+    from nnsight_ray._internal.cluster.placement import warn_if_reachable
 
-    with caplog.at_level("WARNING", logger="nnsight_ray._internal.options"):
+    with caplog.at_level("WARNING", logger="nnsight_ray._internal.cluster.placement"):
         assert not warn_if_reachable("127.0.0.1")
         assert not warn_if_reachable("::1")
         assert not caplog.records

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nnsight_ray._internal import parity
+from nnsight_ray._internal.engine import parity
 
 
 def test_offline_engines_take_llms_defaults_and_nnsights_settings_never_over_the_users():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from nnsight.modeling.vllm.collect import dumps_compact
 
-from nnsight_ray._internal import payload
+from nnsight_ray._internal.merge import payload
 
 TENSORS = {
     "float32": torch.randn(3, 5),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nnsight_ray._internal.options import RankPlacement
-from nnsight_ray._internal.ray_executor import actor_resources
+from nnsight_ray._internal.cluster.placement import RankPlacement
+from nnsight_ray._internal.ranks.executor import actor_resources
 
 
 def test_cpu_bundles_reserve_cpus_only():
@@ -50,7 +50,7 @@ def test_every_rank_of_tp_and_pp_layouts_asks_for_one_gpu(tp, pp):
     [("n0", [0]), ("n1", [0]), ("n0", [1]), ("n1", [1])],         # TP=2 x PP=2 over two nodes
 ])
 def test_each_rank_sees_its_own_device(placed):
-    from nnsight_ray._internal.ray_executor import rank_devices
+    from nnsight_ray._internal.ranks.executor import rank_devices
 
     plan = rank_devices(placed)
     devices = set()
@@ -63,7 +63,7 @@ def test_each_rank_sees_its_own_device(placed):
 
 
 def test_cpu_ranks_get_no_gpu_ids():
-    from nnsight_ray._internal.ray_executor import rank_devices
+    from nnsight_ray._internal.ranks.executor import rank_devices
 
     assert rank_devices([("n0", []), ("n0", []), ("n1", [])]) == [(0, None), (1, None), (0, None)]
 
@@ -73,7 +73,7 @@ def test_cpu_ranks_get_no_gpu_ids():
 
 
 def test_ranks_take_the_bundles_in_order():
-    from nnsight_ray._internal.ray_executor import rank_bundles
+    from nnsight_ray._internal.ranks.executor import rank_bundles
 
     nodes = {0: "a", 1: "b", 2: "a", 3: "b"}
     assert rank_bundles(4, None, nodes) == [(0, "a"), (1, "b"), (2, "a"), (3, "b")]
@@ -81,7 +81,7 @@ def test_ranks_take_the_bundles_in_order():
 
 
 def test_vllm_bundle_indices_pick_each_ranks_bundle():
-    from nnsight_ray._internal.ray_executor import rank_bundles
+    from nnsight_ray._internal.ranks.executor import rank_bundles
 
     nodes = {0: "a", 1: "b", 2: "a", 3: "b"}
     assert rank_bundles(2, "3,0", nodes) == [(3, "b"), (0, "a")]
@@ -94,7 +94,7 @@ def test_vllm_bundle_indices_pick_each_ranks_bundle():
     ("0,7", "has no bundle [7]"),
 ])
 def test_bad_vllm_bundle_indices_say_what_is_wrong(indices, says):
-    from nnsight_ray._internal.ray_executor import rank_bundles
+    from nnsight_ray._internal.ranks.executor import rank_bundles
 
     with pytest.raises(ValueError, match="VLLM_RAY_BUNDLE_INDICES") as error:
         rank_bundles(2, indices, {0: "a", 1: "b"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from nnsight_ray._internal.ray_errors import call_errors, cause
+from nnsight_ray._internal.cluster.ray_errors import call_errors, cause
 from nnsight_ray.errors import EngineDeadError
 
 

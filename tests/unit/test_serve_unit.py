@@ -646,7 +646,7 @@ def test_a_plain_stream_has_no_closing_chunk_and_a_refused_one_is_a_400():
 def test_an_intervention_error_reaches_the_final_chunk_and_the_metrics():
     error = {"type_name": "IndexError", "message": "index 9 is out of bounds", "is_control_flow": False}
     recorded = Recorder()
-    from nnsight_ray._internal import metrics
+    from nnsight_ray._internal.observe import metrics
 
     previous = metrics.use_backend(recorded)
     try:
@@ -772,7 +772,7 @@ class Recorder:
 
 
 def test_every_metric_is_named_tagged_and_exported_as_ray_does():
-    from nnsight_ray._internal.metrics import METRICS, exported_names
+    from nnsight_ray._internal.observe.metrics import METRICS, exported_names
 
     assert set(METRICS) == {"nnsight_requests_in_flight", "nnsight_request_latency_seconds",
                             "nnsight_time_to_first_token_seconds", "nnsight_saved_bytes", "nnsight_collect_seconds",
@@ -791,7 +791,7 @@ def test_every_metric_is_named_tagged_and_exported_as_ray_does():
 
 
 def test_recording_checks_tags_and_never_raises_or_needs_ray():
-    from nnsight_ray._internal import metrics
+    from nnsight_ray._internal.observe import metrics
 
     with pytest.raises(ValueError, match="takes tags"):
         metrics.inc("nnsight_saved_bytes", 3, wrong="x")
@@ -811,7 +811,7 @@ def test_recording_checks_tags_and_never_raises_or_needs_ray():
 def test_in_flight_counts_and_tags_latency_by_outcome():
     import asyncio
 
-    from nnsight_ray._internal import metrics
+    from nnsight_ray._internal.observe import metrics
 
     recorded = Recorder()
     previous = metrics.use_backend(recorded)

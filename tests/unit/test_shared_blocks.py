@@ -29,7 +29,7 @@ def test_state_is_nnsights_own_for_every_invoke_and_the_block_is_reduced_once(mo
     from nnsight.intervention import serialization
     from nnsight.intervention.interleaver import Mediator
 
-    from nnsight_ray._internal.shared_blocks import shared_reductions
+    from nnsight_ray._internal.blocks.shared_blocks import shared_reductions
 
     theirs = [Mediator.__getstate__(m) for m in workers(5)]
     calls = []
@@ -49,7 +49,7 @@ def test_pickles_as_a_plain_mediator_that_nnsight_rebuilds():
     from nnsight.intervention.interleaver import Mediator
     from nnsight.intervention.serialization import dumps, loads
 
-    from nnsight_ray._internal.shared_blocks import shared_reductions
+    from nnsight_ray._internal.blocks.shared_blocks import shared_reductions
 
     mediators = workers(3)
     plain = [loads(dumps(m)) for m in workers(3)]
@@ -68,7 +68,7 @@ def test_invokes_holding_the_same_objects_pickle_their_state_once(monkeypatch):
     from nnsight.intervention.interleaver import Mediator
     from nnsight.intervention.serialization import dumps, loads
 
-    from nnsight_ray._internal.shared_blocks import shared_reductions
+    from nnsight_ray._internal.blocks.shared_blocks import shared_reductions
 
     scale = 2.5
     mediators = workers(4) + workers(2)
@@ -92,8 +92,8 @@ def test_a_shared_state_resolves_envoy_references_with_the_ranks_persistent_obje
     hands the unpickling its persistent objects."""
     from nnsight.intervention.serialization import dumps, loads
 
-    from nnsight_ray._internal.block_names import _unpickling_with
-    from nnsight_ray._internal.shared_blocks import shared_reductions
+    from nnsight_ray._internal.blocks.block_names import _unpickling_with
+    from nnsight_ray._internal.blocks.shared_blocks import shared_reductions
 
     class Envoy:
         pass
@@ -114,7 +114,7 @@ def test_a_shared_state_resolves_envoy_references_with_the_ranks_persistent_obje
 def test_classes_are_restored_even_when_the_attach_fails():
     from nnsight.intervention.interleaver import Mediator
 
-    from nnsight_ray._internal.shared_blocks import shared_reductions
+    from nnsight_ray._internal.blocks.shared_blocks import shared_reductions
 
     mediators = workers(2) + [Mediator(None, {}, {})]  # a worker with no block is left alone
     with pytest.raises(RuntimeError):
@@ -138,7 +138,7 @@ def test_a_name_bound_before_it_is_read_does_not_ship_its_old_value(body, shippe
     """A notebook cell run twice: the old ``h`` (last run's saves) is never what the block sees."""
     from nnsight.intervention.interleaver import Mediator
 
-    from nnsight_ray._internal.shared_blocks import shared_reductions
+    from nnsight_ray._internal.blocks.shared_blocks import shared_reductions
 
     node = ast.parse("with tracer.invoke(text):\n" + "\n".join("    " + line for line in body.splitlines())).body[0]
     code = compile(ast.Module(body=node.body, type_ignores=[]), "<block>", "exec")

@@ -1,4 +1,4 @@
-"""Saved values are snapshots (``_internal/snapshot.py``), on nnsight's real interleaver.
+"""Saved values are snapshots (``_internal/blocks/snapshot.py``), on nnsight's real interleaver.
 
 The toy model writes its inputs in place the way vLLM's CUDA
 ``fused_add_rms_norm`` does, so a saved output is overwritten by the next
@@ -11,8 +11,8 @@ import nnsight
 import pytest
 import torch
 
-from nnsight_ray._internal import snapshot
-from nnsight_ray._internal.snapshot import SnapshotInterleaver
+from nnsight_ray._internal.blocks import snapshot
+from nnsight_ray._internal.blocks.snapshot import SnapshotInterleaver
 
 
 class FusedAddInPlace(torch.nn.Module):

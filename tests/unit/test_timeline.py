@@ -1,5 +1,5 @@
 """The run timeline's summary (pure logic; the events come from the engine actor and a rank)."""
-from nnsight_ray._internal.timeline import ADDED, ATTACHED, COLLECT, ENDED, FETCH, GC, HANDED, MERGED, RENDER, SENT, STEP, SUBMIT, Timeline, summarize
+from nnsight_ray._internal.observe.timeline import ADDED, ATTACHED, COLLECT, ENDED, FETCH, GC, HANDED, MERGED, RENDER, SENT, STEP, SUBMIT, Timeline, summarize
 
 
 def test_summary_reads_the_events_of_the_run_only():
@@ -50,7 +50,7 @@ def test_collections_are_recorded_with_their_generation_once_per_process(monkeyp
     import gc
     import time
 
-    from nnsight_ray._internal import timeline as module
+    from nnsight_ray._internal.observe import timeline as module
 
     monkeypatch.setattr(module, "GC_MIN_S", 0.0)  # record every one
     before = len(gc.callbacks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nnsight_ray._internal.topology import RankId, cpu_binding_plan
+from nnsight_ray._internal.cluster.topology import RankId, cpu_binding_plan
 
 
 @pytest.fixture(autouse=True)

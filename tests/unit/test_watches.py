@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from nnsight_ray._internal.liveness import (ENGINE, MERGE, RANK, ActorRecord, Cluster, DeathWatch, DeploymentRecords,
+from nnsight_ray._internal.cluster.liveness import (ENGINE, MERGE, RANK, ActorRecord, Cluster, DeathWatch, DeploymentRecords,
                                             EngineWatch, engine_dead)
-from nnsight_ray._internal.merge import MergeBook
+from nnsight_ray._internal.merge.book import MergeBook
 from nnsight_ray.errors import EngineDeadError
 
 ENGINE_RECORD = ActorRecord(ENGINE, "e.engine", "E", "n0", 11)
@@ -294,7 +294,7 @@ def _hex(n: int) -> str:
 
 
 def test_release_removes_an_owned_live_group_once(groups):
-    from nnsight_ray._internal.options import RankReservation
+    from nnsight_ray._internal.cluster.placement import RankReservation
 
     groups.groups[_hex(1)] = {"name": "e.ranks", "state": "CREATED"}
     mine = RankReservation(_hex(1), owned=True)
@@ -304,7 +304,7 @@ def test_release_removes_an_owned_live_group_once(groups):
 
 
 def test_release_never_removes_the_callers_group(groups):
-    from nnsight_ray._internal.options import RankReservation
+    from nnsight_ray._internal.cluster.placement import RankReservation
 
     groups.groups[_hex(2)] = {"name": "theirs", "state": "CREATED"}
     assert RankReservation(_hex(2), owned=False).release() is False
@@ -312,7 +312,7 @@ def test_release_never_removes_the_callers_group(groups):
 
 
 def test_reclaim_removes_every_live_group_of_the_name(groups):
-    from nnsight_ray._internal.options import RankReservation
+    from nnsight_ray._internal.cluster.placement import RankReservation
 
     groups.groups.update({_hex(1): {"name": "e.ranks", "state": "CREATED"},
                           _hex(2): {"name": "e.ranks", "state": "REMOVED"},
@@ -324,7 +324,7 @@ def test_reclaim_removes_every_live_group_of_the_name(groups):
 
 
 def test_a_plan_says_whose_group_it_is():
-    from nnsight_ray._internal.options import PlacementPlan, RankPlacement, RankReservation
+    from nnsight_ray._internal.cluster.placement import PlacementPlan, RankPlacement, RankReservation
 
     plan = PlacementPlan(placement=RankPlacement(device="cpu"), world_size=2, placement_group_id=_hex(5),
                          owns_placement_group=True)
@@ -332,7 +332,7 @@ def test_a_plan_says_whose_group_it_is():
 
 
 def test_a_placement_group_handle_from_its_hex_id_uses_rays_public_id():
-    from nnsight_ray._internal.options import placement_group_by_id
+    from nnsight_ray._internal.cluster.placement import placement_group_by_id
 
     assert placement_group_by_id(_hex(6)).id.hex() == _hex(6)
 
@@ -342,8 +342,8 @@ def test_a_placement_group_handle_from_its_hex_id_uses_rays_public_id():
 
 def test_engine_args_keep_the_users_settings_and_add_nnsights():
     from nnsight_ray._internal.deploy import DeploymentSpec
-    from nnsight_ray._internal.engine import engine_args
-    from nnsight_ray._internal.options import ADDITIONAL_CONFIG_KEY, PlacementPlan, RankPlacement
+    from nnsight_ray._internal.engine.core import engine_args
+    from nnsight_ray._internal.cluster.placement import ADDITIONAL_CONFIG_KEY, PlacementPlan, RankPlacement
 
     plan = PlacementPlan(placement=RankPlacement(device="cpu"), world_size=1, placement_group_id=_hex(7))
     spec = DeploymentSpec(name="e", model="/models/tiny", engine_kwargs={"max_model_len": 64,
@@ -354,7 +354,7 @@ def test_engine_args_keep_the_users_settings_and_add_nnsights():
     assert [c.split("=")[0] for c in changed] == ["enable_chunked_prefill", "enforce_eager"]  # the user set the third
     assert args["max_model_len"] == 64 and args["enable_prefix_caching"] is True
     assert args["enable_chunked_prefill"] is False
-    assert args["worker_cls"] == "nnsight_ray._internal.worker.NNsightWorker"
+    assert args["worker_cls"] == "nnsight_ray._internal.ranks.worker.NNsightWorker"
     assert PlacementPlan.model_validate(args["additional_config"][ADDITIONAL_CONFIG_KEY]) == plan
     assert spec.engine_kwargs == {"max_model_len": 64, "enable_prefix_caching": True}  # not changed
     assert spec.engine_name == "e.engine"

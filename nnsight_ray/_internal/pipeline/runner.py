@@ -120,7 +120,7 @@ class StageRunnerMixin:
             return super().collect_nnsight(request_ids, finished_request_ids, outputs)  # type: ignore[misc]
         from vllm.distributed.parallel_state import get_tp_group
 
-        from ..payload import collect_serializer
+        from ..merge.payload import collect_serializer
 
         stage = self.nnsight_stage
         requests = self.nnsight_requests  # type: ignore[attr-defined]

@@ -36,10 +36,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from ..errors import EngineDeadError, RequestError
-from . import metrics, render
+from ...errors import EngineDeadError, RequestError
+from ..observe import metrics
+from . import render
 from .render import render_batch, render_batches
-from .timeline import ADDED, COLLECT, ENDED, RENDER, SUBMIT, Timeline, watch_gc
+from ..observe.timeline import ADDED, COLLECT, ENDED, RENDER, SUBMIT, Timeline, watch_gc
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,9 @@ def engine_args(spec: Any) -> tuple[dict[str, Any], list[str]]:
     platform's defaults; the placement plan and nnsight_ray's executor riding
     vLLM's config; nnsight_ray's worker.
     """
-    from . import graphs, parity, platform
-    from .ray_executor import engine_kwargs_with
+    from ..blocks import graphs
+    from . import parity, platform
+    from ..ranks.executor import engine_kwargs_with
 
     kwargs, graph_changes = graphs.engine_mode(platform.engine_defaults(spec.engine_kwargs))
     kwargs, changed = parity.entrypoint_kwargs(kwargs, parity.usage_context(spec.usage_context))

@@ -47,9 +47,9 @@ import collections
 import time
 from typing import Any, Iterable
 
-from ..errors import RequestError
+from ...errors import RequestError
 from .classes import extend
-from .timeline import STEP, Timeline, watch_gc
+from ..observe.timeline import STEP, Timeline, watch_gc
 
 ANY, PIECEWISE, EAGER = "any", "piecewise", "eager"
 TAPS_KEY = "nnsight_ray_taps"  # the tap patterns, in vLLM's additional_config

@@ -13,9 +13,9 @@ from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRu
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from .pipeline import StageForwardMixin
-from .rank_worker import RankRPCMixin
-from .runner_mixins import RUNNER_MIXINS
+from ..pipeline import StageForwardMixin
+from .rpcs import RankRPCMixin
+from .mixins import RUNNER_MIXINS
 
 
 class NNsightStageGPUModelRunner(*RUNNER_MIXINS, NNsightGPUModelRunner, StageForwardMixin, GPUModelRunner):

@@ -58,10 +58,10 @@ from typing import Any, Sequence
 
 import torch
 
-from .classes import extend
-from .extract_rows import DecodeBlock, StepRequest, capture, part_columns, row_index
+from ..blocks.classes import extend
+from .rows import DecodeBlock, StepRequest, capture, part_columns, row_index
 from .host_memory import (RING_MB, STAGING, STAGINGS, Staging, _mapped, host_buffer, release_freed_memory,
-                          release_pinned_cache)
+    release_pinned_cache)
 from .safetensors_io import FORMAT, write_safetensors
 
 logger = logging.getLogger(__name__)
@@ -365,8 +365,8 @@ def discard(part: str) -> None:
 def check_locations(locations: list[str], modules: "Sequence[str] | None") -> None:
     """Refuse, before any prompt is sent, a location extraction cannot keep: not a module's ``.output``,
     or (when the model's module paths are known) a module the model does not have."""
-    from ..errors import RequestError
-    from .module_paths import missing_module
+    from ...errors import RequestError
+    from ..blocks.module_paths import missing_module
 
     if not locations:
         raise RequestError("extraction needs at least one location, such as 'model.layers.0.output'")
@@ -449,7 +449,7 @@ class ExtractRunnerMixin:
         """A prompt's rows are read by forward hooks, which only an eager step runs (``EAGER``); generated
         tokens' rows too, unless every location they ask for is a tap of this graph engine: then at the
         taps of a breakable graph (``PIECEWISE``, ``ExtractTapsInterleaver``), never a full one."""
-        from .graphs import ANY, EAGER, PIECEWISE
+        from ..blocks.graphs import ANY, EAGER, PIECEWISE
 
         if prompts:
             return EAGER
@@ -536,7 +536,7 @@ class ExtractRunnerMixin:
             return 0
 
     def _extract_hook(self, location: str) -> None:
-        from ..batch.interventions import residual_parts
+        from ...batch.interventions import residual_parts
 
         if location in self._extract_hooks:
             return

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from ..errors import EngineDeadError
+from ...errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from ..errors import EngineDeadError
+from ...errors import EngineDeadError
 
 
 @dataclass
@@ -238,7 +238,7 @@ def trace_saves(outputs: list[Any], presaved: set[str]) -> dict[str, Any]:
 
     from nnsight.tracing.tracer import _saves
 
-    from ..local import raise_intervention
+    from ...local import raise_intervention
 
     stand_in = SimpleNamespace(presaved=set(presaved), lcls={})
     try:

@@ -14,7 +14,7 @@ import contextlib
 import os
 from typing import Iterator
 
-WORKER_CLS = "nnsight_ray._internal.worker.NNsightWorker"
+WORKER_CLS = "nnsight_ray._internal.ranks.worker.NNsightWorker"
 
 # KV cache per CPU rank unless the user sets VLLM_CPU_KVCACHE_SPACE or
 # kv_cache_memory_bytes: vLLM's CPU default reserves a fraction of the whole

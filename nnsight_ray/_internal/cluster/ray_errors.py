@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import EngineDeadError
+from ...errors import EngineDeadError
 
 
 def call_errors() -> tuple[type[BaseException], ...]:

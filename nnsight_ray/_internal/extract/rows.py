@@ -27,7 +27,7 @@ def capture(output: Any, rows: "torch.Tensor | range", dtype: torch.dtype | None
     ``into(shape, dtype)``, if given, makes the tensor the rows are computed into (the CPU
     build's ``host_buffer``): no intermediate copy.
     """
-    from ..batch.interventions import residual_parts
+    from ...batch.interventions import residual_parts
 
     span = isinstance(rows, range)
     parts = [part.narrow(0, rows.start, len(rows)) if span else part.index_select(0, rows)

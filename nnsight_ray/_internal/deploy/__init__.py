@@ -30,17 +30,18 @@ from typing import Any
 
 import ray
 
-from ..errors import EngineDeadError, RequestError
-from . import graphs, metrics
-from .engine import Report
-from .liveness import (ENGINE, MERGE, ActorRecord, Cluster, DeathWatch, DeploymentRecords, EngineWatch, actor_id,
-                       every, rank_records)
-from .merge import MergeBook, trace_saves
-from .ray_errors import cause
-from .options import NAMESPACE, PlacementPlan, RankPlacement, RankReservation, placement_group_name, plan_placement, \
-    world_size
-from .timeline import FETCH, HANDED, MERGED, Timeline, watch_gc, with_gc
-from .topology import RankId
+from ...errors import EngineDeadError, RequestError
+from ..blocks import graphs
+from ..observe import metrics
+from ..engine.core import Report
+from ..cluster.liveness import (ENGINE, MERGE, ActorRecord, Cluster, DeathWatch, DeploymentRecords, EngineWatch,
+    actor_id, every, rank_records)
+from ..merge.book import MergeBook, trace_saves
+from ..cluster.ray_errors import cause
+from ..cluster.placement import (NAMESPACE, PlacementPlan, RankPlacement, RankReservation, placement_group_name,
+    plan_placement, world_size)
+from ..observe.timeline import FETCH, HANDED, MERGED, Timeline, watch_gc, with_gc
+from ..cluster.topology import RankId
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ _NODE_LOCAL_ENV = {"VLLM_HOST_IP", "VLLM_PORT", "VLLM_CPU_OMP_THREADS_BIND", "OM
 
 
 def forwarded_env() -> dict[str, str]:
-    from .platform import engine_env
+    from ..engine.platform import engine_env
 
     return {**engine_env(), **{k: v for k, v in os.environ.items()
                                if k.startswith(_FORWARDED_ENV_PREFIXES) and k not in _NODE_LOCAL_ENV}}
@@ -132,7 +133,7 @@ class Deployment:
 
 def _import_rank_class() -> None:
     try:
-        from . import ray_executor  # noqa: F401
+        from ..ranks import executor as ray_executor  # noqa: F401
     except Exception:  # only a warm-up: set_ranks reports a real problem
         logger.debug("could not import the rank actor class", exc_info=True)
 
@@ -231,7 +232,7 @@ class MergeActor:
         self.events.mark(HANDED, size)
         if state.error is not None:
             raise state.error
-        from .payload import Packed  # Ray writes the saves with the fast tensor path
+        from ..merge.payload import Packed  # Ray writes the saves with the fast tensor path
 
         return Packed(state.ordered())
 
@@ -247,7 +248,7 @@ class MergeActor:
         self.events.mark(HANDED, size)
         if state.error is not None:
             raise state.error
-        from .payload import Packed
+        from ..merge.payload import Packed
 
         return Packed(trace_saves(state.ordered(), presaved))
 
@@ -289,9 +290,9 @@ class EngineActor:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from . import parity
-        from .engine import EngineCore, engine_args
-        from .ray_executor import early_ranks, start_ranks_early
+        from ..engine import parity
+        from ..engine.core import EngineCore, engine_args
+        from ..ranks.executor import early_ranks, start_ranks_early
 
         VLLM._require_v1_model_runner()
         spec = self.spec
@@ -439,8 +440,8 @@ def probe_rank_platform(plan: PlacementPlan) -> Any:
         return None
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from . import parity
-    from .options import placement_group_by_id
+    from ..engine import parity
+    from ..cluster.placement import placement_group_by_id
 
     resources = {} if placement.gpu_resource == "GPU" else {placement.gpu_resource: placement.gpus_per_rank}
     task = ray.remote(parity.probe_batch_defaults).options(
@@ -465,7 +466,7 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
     ``{"resources": {"gpu_node": 0.01}}`` to keep vLLM's engine core off a
     CPU-only head node of a GPU cluster (docs/clusters.md).
     """
-    from .parity import usage_context as checked_context
+    from ..engine.parity import usage_context as checked_context
 
     usage_context = checked_context(usage_context)
     placement = placement.model_copy(update={"engine_name": name})

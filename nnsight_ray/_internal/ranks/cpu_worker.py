@@ -35,9 +35,9 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from .pipeline import StageForwardMixin
-from .rank_worker import RankRPCMixin
-from .runner_mixins import RUNNER_MIXINS
+from ..pipeline import StageForwardMixin
+from .rpcs import RankRPCMixin
+from .mixins import RUNNER_MIXINS
 
 
 class NNsightCPUModelRunner(*RUNNER_MIXINS, NNsightGPUModelRunner, StageForwardMixin, CPUModelRunner):

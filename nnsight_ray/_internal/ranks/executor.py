@@ -67,9 +67,9 @@ from vllm.v1.executor.ray_env_utils import get_driver_env_vars
 from vllm.v1.executor.ray_executor_v2 import RayExecutorV2, RayWorkerHandle, RayWorkerProc
 from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
 
-from .options import (ADDITIONAL_CONFIG_KEY, NAMESPACE, PlacementPlan, RankPlacement, RankReservation,
-                      existing_placement_group, plan_placement, split_ray_options, world_size)
-from .topology import RankId, cpu_binding_plan
+from ..cluster.placement import (ADDITIONAL_CONFIG_KEY, NAMESPACE, PlacementPlan, RankPlacement, RankReservation,
+    existing_placement_group, plan_placement, split_ray_options, world_size)
+from ..cluster.topology import RankId, cpu_binding_plan
 
 logger = logging.getLogger(__name__)
 
@@ -119,19 +119,19 @@ class NNsightRankProc(RayWorkerProc):
         Runs on a second actor thread (the rank is created with
         ``max_concurrency`` > 1) while ``run`` owns the first with vLLM's busy loop.
         """
-        from .rank_worker import take_serialized
+        from .rpcs import take_serialized
 
         return take_serialized(request_ids)
 
     def extract_commit(self, part: str, timeout: float = 600.0, fsync: bool = False) -> dict[str, Any] | None:
         """Write extraction part ``part`` once every capture before this call is filed (``extract.commit``)."""
-        from .extract import commit
+        from ..extract.capture import commit
 
         return commit(part, timeout, fsync)
 
     def extract_discard(self, part: str) -> None:
         """Drop what was captured for ``part`` (its requests failed; the driver resubmits them)."""
-        from .extract import discard
+        from ..extract.capture import discard
 
         discard(part)
 

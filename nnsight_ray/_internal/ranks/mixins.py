@@ -18,13 +18,13 @@ nnsight's runner, around vLLM's load and forward.
 
 from __future__ import annotations
 
-from .block_names import BlockNamesRunnerMixin
-from .envoy_refs import EnvoyRefsRunnerMixin
-from .extract import ExtractRunnerMixin
-from .graphs import GraphStepsRunnerMixin
-from .payload import PackedCollectRunnerMixin
-from .pipeline import StageRunnerMixin
-from .snapshot import SnapshotRunnerMixin
+from ..blocks.block_names import BlockNamesRunnerMixin
+from ..blocks.envoy_refs import EnvoyRefsRunnerMixin
+from ..extract.capture import ExtractRunnerMixin
+from ..blocks.graphs import GraphStepsRunnerMixin
+from ..merge.payload import PackedCollectRunnerMixin
+from ..pipeline import StageRunnerMixin
+from ..blocks.snapshot import SnapshotRunnerMixin
 
 RUNNER_MIXINS = (PackedCollectRunnerMixin, StageRunnerMixin, BlockNamesRunnerMixin, SnapshotRunnerMixin, EnvoyRefsRunnerMixin,
                  ExtractRunnerMixin, GraphStepsRunnerMixin)

@@ -257,7 +257,7 @@ class RankReservation:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        from ..errors import PlacementError
+        from ...errors import PlacementError
 
         if placement.placement_group_id:
             existing_placement_group(placement.placement_group_id, world_size, placement.placement_timeout_s)
@@ -328,7 +328,7 @@ def existing_placement_group(hex_id: str, world_size: int, timeout_s: float):
     """The placement group ``hex_id``, once ready, checked to hold a bundle per rank."""
     import ray
 
-    from ..errors import PlacementError
+    from ...errors import PlacementError
 
     pg = placement_group_by_id(hex_id)
     ray.get(pg.ready(), timeout=timeout_s)

@@ -61,7 +61,7 @@ def take_serialized(request_ids: list[str]) -> list[Any]:
     collective ``nnsight_ray_stash``, during which vLLM's engine core runs no step.
     The tensors' bytes go out of band, straight into Ray's object store.
     """
-    from .payload import dumps, ship_each
+    from ..merge.payload import dumps, ship_each
 
     entries = stash_take(request_ids)
     batch = [i for i, entry in enumerate(entries) if isinstance(entry, dict)]
@@ -152,8 +152,8 @@ class RankRPCMixin:
         (``take_serialized``): the engine core, blocked for this collective,
         waits for nnsight's collect only. Returns how many entries were kept.
         """
-        from . import snapshot
-        from .payload import dumps, unserialized
+        from ..blocks import snapshot
+        from ..merge.payload import dumps, unserialized
 
         # Values kept for later pickling must be ones no later step writes: true of
         # snapshots (the default); with snapshots off, pickle now, as before.
@@ -183,27 +183,27 @@ class RankRPCMixin:
 
     def nnsight_ray_step_timeline(self, since: float = 0.0) -> list[tuple]:
         """This rank's steps that began at ``since`` (``time.monotonic``) or later (``timeline``)."""
-        from .timeline import with_gc
+        from ..observe.timeline import with_gc
 
         modes = getattr(self.model_runner, "nnsight_ray_step_modes", None)
         return with_gc(modes.timeline.since(since) if modes is not None else [], since)
 
     def nnsight_ray_extract_memory(self) -> dict[str, Any]:
         """What this rank holds for activation extraction (``extract.memory``)."""
-        from .extract import memory
+        from ..extract.capture import memory
 
         return memory()
 
     def nnsight_ray_extract_staging(self, mode: str | None = None) -> str:
         """Where this rank's captured rows wait (``host_memory``): the current staging, or switch to
         ``mode`` (refused while rows are held: ``extract.set_staging``)."""
-        from .extract import set_staging, writer
+        from ..extract.capture import set_staging, writer
 
         return writer().staging if mode is None else set_staging(mode)
 
     def nnsight_ray_block_names(self) -> dict[str, int]:
         """How many source-cache entries of received blocks this rank holds (a leak gauge; see ``block_names``)."""
-        from .block_names import held
+        from ..blocks.block_names import held
 
         return held(self.model_runner)
 

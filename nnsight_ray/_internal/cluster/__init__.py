@@ -1,0 +1,1 @@
+"""Where ranks run and who is alive: placement, topology, liveness, Ray's errors."""

@@ -1,0 +1,1 @@
+"""The engine actor's logic: vLLM's async engine, prompt rendering, engine parity, platform choices."""

@@ -1,0 +1,1 @@
+"""Activation extraction on the ranks: captured rows, host memory, the safetensors files."""

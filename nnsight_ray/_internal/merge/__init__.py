@@ -1,0 +1,1 @@
+"""Saved values on the wire and their merge per finished request."""
