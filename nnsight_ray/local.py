@@ -18,7 +18,6 @@ placed by a placement group on any node of a Ray cluster (see
 
 from __future__ import annotations
 
-import builtins
 import os
 import time
 from typing import Any
@@ -27,81 +26,9 @@ from nnsight.modeling.vllm import VLLM
 
 from ._internal.blocks import graphs
 from ._internal.engine import platform
-from .errors import RequestError
+from .errors import RequestError, intervention_error, raise_intervention
 
 __all__ = ["LocalVLLM", "intervention_error", "raise_intervention"]
-
-# One class per builtin exception type, so `except ValueError` and identity
-# checks see the same class every time.
-_TYPED_ERRORS: dict[str, type[RequestError]] = {}
-
-
-def _str(self: BaseException) -> str:
-    # KeyError's own __str__ would repr() the multi-line message.
-    return str(self.args[0]) if self.args else ""
-
-
-def intervention_error(deferred: dict, message: str) -> RequestError:
-    """The exception to raise at the caller for an intervention that failed in the engine.
-
-    nnsight 0.8.1 re-raises a worker's exception as a plain ``RuntimeError`` whose
-    message starts with the original type name (``"ValueError: boom"``), because
-    the exception object itself does not cross the process boundary. When the
-    original type is a builtin exception (``ValueError``, ``IndexError``,
-    ``KeyError``, ...), this returns an instance of a class deriving from both
-    :class:`~nnsight_ray.errors.RequestError` (so still a ``RuntimeError``,
-    nnsight's contract, with the same message) and that builtin type, so
-    ``except ValueError`` at the caller works as it would on a local model.
-    Other types (nnsight's own, user-defined) come back as ``RequestError``.
-
-    The error keeps nnsight's wire form as ``.deferred`` (type name, message,
-    intervention traceback) and pickles, so it can be raised in one process
-    (a merge actor) and caught, typed, in another (``ray.get`` of its ref).
-    """
-    error = _typed_class(deferred.get("type_name") or "Exception")(message)
-    error.deferred = dict(deferred)
-    return error
-
-
-def _typed_class(name: str) -> type[RequestError]:
-    original = getattr(builtins, name, None)
-    if (
-        not (isinstance(original, type) and issubclass(original, Exception))
-        or issubclass(RequestError, original)  # RuntimeError, Exception: already one
-        or issubclass(original, (StopIteration, StopAsyncIteration))  # iteration protocol, not errors
-    ):
-        return RequestError
-    cls = _TYPED_ERRORS.get(name)
-    if cls is None:
-        try:
-            cls = type(name, (RequestError, original), {"__str__": _str, "__reduce__": _reduce_typed,
-                                                        "__module__": __name__})
-        except TypeError:  # instance layout conflict with RuntimeError
-            cls = RequestError
-        _TYPED_ERRORS[name] = cls
-    return cls
-
-
-def _reduce_typed(self: RequestError) -> Any:
-    # The class is made at run time (no importable name): rebuild it by its type name.
-    return _rebuild_typed, (type(self).__name__, self.args), dict(self.__dict__)
-
-
-def _rebuild_typed(name: str, args: tuple) -> RequestError:
-    return _typed_class(name)(*args)
-
-
-def raise_intervention(deferred: dict | None) -> None:
-    """nnsight's ``raise_deferred`` with the typed exception of `intervention_error`."""
-    from nnsight.intervention.errors import raise_deferred
-
-    try:
-        raise_deferred(deferred)
-    except RuntimeError as exc:
-        if isinstance(exc, RequestError):
-            raise
-        raise intervention_error(deferred, str(exc)) from None
-
 
 class LocalVLLM(VLLM):
     """nnsight's ``VLLM`` whose engine runs on this process's platform.

@@ -9,7 +9,7 @@ nnsight's:
 * ``async for output in tracer.backend`` yields every step; each output has a
   ``saves`` dict and only the finished one is non-empty (``output.saves``, and
   ``output.outputs[i].saves`` for ``n > 1``); a failed intervention is re-raised
-  (typed, see ``local.intervention_error``).
+  (typed, see ``errors.intervention_error``).
 * ``await tracer.backend`` drains and returns the finished output.
 * The stream is consumed once: a second ``await`` returns ``None``.
 * Closing the stream early (``aclose()``, or breaking out and letting it be
@@ -57,7 +57,7 @@ class RayStreamBackend(Backend):
     async def __aiter__(self):
         import ray
 
-        from .local import raise_intervention
+        from .errors import raise_intervention
 
         if self._consumed or self._generator is None:
             return

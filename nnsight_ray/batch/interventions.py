@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import BatchConfigError
 from .._internal.blocks.module_paths import missing_module
+from .._internal.extract.parts import residual_parts
 
 if TYPE_CHECKING:
     import torch
@@ -55,21 +56,6 @@ class SaveRead:
 
 
 # --------------------------------------------------------------------------- in the ranks
-
-
-def residual_parts(value: Any) -> tuple:
-    """The tensors whose sum is a layer output's residual stream: a same-shape pair, else the first item."""
-    import torch
-
-    if isinstance(value, (tuple, list)):
-        if (
-            len(value) == 2
-            and all(isinstance(v, torch.Tensor) for v in value)
-            and value[0].shape == value[1].shape
-        ):
-            return (value[0], value[1])
-        return (value[0],)
-    return (value,)
 
 
 def to_residual(value: Any) -> Any:

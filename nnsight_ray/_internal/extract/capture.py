@@ -536,7 +536,7 @@ class ExtractRunnerMixin:
             return 0
 
     def _extract_hook(self, location: str) -> None:
-        from ...batch.interventions import residual_parts
+        from .parts import residual_parts
 
         if location in self._extract_hooks:
             return

@@ -18,7 +18,7 @@ import torch
 
 def capture(output: Any, rows: "torch.Tensor | range", dtype: torch.dtype | None = None,
             into: Any = None) -> torch.Tensor:
-    """``rows`` of a module output's residual stream (``interventions.residual_parts``: what the
+    """``rows`` of a module output's residual stream (``parts.residual_parts``: what the
     batch runner's Parquet saves read), as a copy in ``dtype`` (default: the output's); each
     part is narrowed before the sum.
 
@@ -27,7 +27,7 @@ def capture(output: Any, rows: "torch.Tensor | range", dtype: torch.dtype | None
     ``into(shape, dtype)``, if given, makes the tensor the rows are computed into (the CPU
     build's ``host_buffer``): no intermediate copy.
     """
-    from ...batch.interventions import residual_parts
+    from .parts import residual_parts
 
     span = isinstance(rows, range)
     parts = [part.narrow(0, rows.start, len(rows)) if span else part.index_select(0, rows)

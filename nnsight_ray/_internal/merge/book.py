@@ -231,14 +231,14 @@ def trace_saves(outputs: list[Any], presaved: set[str]) -> dict[str, Any]:
     per name, first real error) over stand-in mediators that carry only what it
     reads: ``presaved`` and a scope to write into. When an intervention raised,
     raises it: the request's own deferred error, typed as a blocking trace
-    raises it (``local.intervention_error``), not the RuntimeError ``_collect``
+    raises it (``errors.intervention_error``), not the RuntimeError ``_collect``
     wrapped it in.
     """
     from nnsight.modeling.vllm.vllm import VLLM
 
     from nnsight.tracing.tracer import _saves
 
-    from ...local import raise_intervention
+    from ...errors import raise_intervention
 
     stand_in = SimpleNamespace(presaved=set(presaved), lcls={})
     try:
