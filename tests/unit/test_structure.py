@@ -1,8 +1,13 @@
-"""The package's shape (issue 13): no import circles, no module over 600 lines.
+"""The package's shape: imports run one way through declared layers, no circles, no module over 600 lines.
 
 Imports are read from the source (``ast``), deferred ones inside functions
-included: a function-level import that comes back to its importer is still
-a circle, only one that fails later. Nothing is imported here.
+included: a function-level import that goes the wrong way is still a wrong
+arrow, only one that fails later. Nothing is imported here.
+
+``LAYERS`` is the package's floor plan, bottom first (docs/architecture.md
+draws it): a module may import modules of its own group and of any lower
+layer; an import up a layer or across to another group of the same layer
+fails the test, and so does a module in no group.
 """
 
 from __future__ import annotations
@@ -13,11 +18,31 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "nnsight_ray"
 MAX_LINES = 600
 
+#: Bottom first. A group is a module or a package (all modules under it); the root
+#: group ``nnsight_ray`` is the package's ``__init__`` only.
+LAYERS: list[list[str]] = [
+    ["nnsight_ray.errors", "nnsight_ray._internal"],
+    ["nnsight_ray._internal.observe", "nnsight_ray._internal.cluster"],
+    ["nnsight_ray._internal.blocks", "nnsight_ray._internal.merge"],
+    ["nnsight_ray._internal.pipeline", "nnsight_ray._internal.extract"],
+    ["nnsight_ray._internal.ranks"],
+    ["nnsight_ray._internal.engine"],
+    ["nnsight_ray._internal.deploy"],
+    ["nnsight_ray.models", "nnsight_ray.refs"],
+    ["nnsight_ray.local"],
+    ["nnsight_ray.streaming"],
+    ["nnsight_ray.ray_vllm"],
+    ["nnsight_ray.batch", "nnsight_ray.serve", "nnsight_ray.compare_layouts"],
+    ["nnsight_ray.demo"],
+    ["nnsight_ray.cli"],
+    ["nnsight_ray"],
+]
 
-def modules() -> dict[str, Path]:
+
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
     found = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         found[".".join(parts)] = path
@@ -73,6 +98,77 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+def group_of(module: str, layers: list[list[str]]) -> tuple[str, int] | None:
+    """The declared group a module belongs to (the longest that contains it) and its layer."""
+    best = None
+    for level, groups in enumerate(layers):
+        for group in groups:
+            root = "." not in group
+            if module == group or (not root and module.startswith(group + ".")):
+                if best is None or len(group) > len(best[0]):
+                    best = (group, level)
+    return best
+
+
+def wrong_arrows(graph: dict[str, set[str]], layers: list[list[str]]) -> list[str]:
+    """Every import that runs up a layer or across groups of one layer, and every module in no group."""
+    found = []
+    for module in sorted(graph):
+        here = group_of(module, layers)
+        if here is None:
+            found.append(f"{module} is in no layer: add it to LAYERS in tests/unit/test_structure.py")
+            continue
+        for target in sorted(graph[module]):
+            there = group_of(target, layers)
+            if there is None or there[0] == here[0]:
+                continue
+            if there[1] > here[1]:
+                found.append(f"{module} -> {target}: up from layer {here[1]} ({here[0]}) to {there[1]} ({there[0]})")
+            elif there[1] == here[1]:
+                found.append(f"{module} -> {target}: across layer {here[1]} ({here[0]} -> {there[0]})")
+    return found
+
+
+def test_imports_run_down_the_declared_layers():
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    wrong = wrong_arrows(graph, LAYERS)
+    assert not wrong, "imports against the layers (docs/architecture.md):\n" + "\n".join(wrong)
+
+
+def test_a_synthetic_tree_with_an_upward_and_a_crossing_import_fails(tmp_path):
+    package = tmp_path / "pkg"
+    files = {
+        "__init__.py": "",
+        "errors.py": "",
+        "low/__init__.py": "",
+        "low/a.py": "from ..errors import X\nfrom . import b\n",
+        "low/b.py": "def f():\n    from ..high import top  # deferred, still an arrow\n",
+        "side/__init__.py": "",
+        "side/c.py": "from ..low.a import Y\n",
+        "mid/__init__.py": "",
+        "mid/d.py": "import pkg.side.c\nfrom pkg.low import a\n",
+        "high/__init__.py": "",
+        "high/top.py": "from ..mid import d\n",
+        "stray.py": "",
+    }
+    for name, text in files.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(text)
+    layers = [["pkg.errors"], ["pkg.low", "pkg.mid"], ["pkg.side"], ["pkg.high"], ["pkg"]]
+    known = modules(package)
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    assert graph["pkg.low.a"] == {"pkg.errors", "pkg.low.b"}
+    assert wrong_arrows(graph, layers) == [
+        "pkg.low.b -> pkg.high.top: up from layer 1 (pkg.low) to 3 (pkg.high)",
+        "pkg.mid.d -> pkg.low.a: across layer 1 (pkg.mid -> pkg.low)",
+        "pkg.mid.d -> pkg.side.c: up from layer 1 (pkg.mid) to 2 (pkg.side)",
+        "pkg.stray is in no layer: add it to LAYERS in tests/unit/test_structure.py",
+    ]
+    layers[1] = ["pkg.low", "pkg.mid", "pkg.side"]
+    assert "pkg.side.c -> pkg.low.a: across layer 1 (pkg.side -> pkg.low)" in wrong_arrows(graph, layers)
 
 
 def test_no_module_imports_one_that_imports_it_back():
