@@ -185,7 +185,7 @@ def test_topology_puts_the_rank_on_a_gpu_bundle(rayvllm):
     assert rank["gc_frozen"] > 100_000, rank["gc_frozen"]  # vLLM's worker froze its heap after warm-up
     health = rayvllm.health()
     assert health["alive"], health
-    for merge in rayvllm.vllm_entrypoint.merges:  # session 26: on the H200 a merge actor's heap stayed unfrozen
+    for merge in rayvllm.vllm_entrypoint.merges:  # on the H200 a merge actor's heap once stayed unfrozen
         stats = ray.get(merge.stats.remote(), timeout=60)
         assert stats["gc_unfrozen"] < 50_000, stats  # what a full collection there scans (770k before the fix)
     if ON_GPU:

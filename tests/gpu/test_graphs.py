@@ -83,8 +83,8 @@ class Modes:
 
 @pytest.mark.parametrize("where", ["layer", "inside"])
 def test_a_raw_save_at_decode_step_k_matches_transformers(graph_engine, hf, where):
-    """A tapped layer's output, or an operation inside a tapped forward (``.source.``; on RayVLLM since
-    session 30: layer 1's attention output projection), saved raw at decode step 2."""
+    """A tapped layer's output, or an operation inside a tapped forward (``.source.``:
+    layer 1's attention output projection), saved raw at decode step 2."""
     kind, model = graph_engine
     prompt_ids, generated = greedy(model, PROMPT)
     with Modes(model) as modes:
@@ -185,7 +185,7 @@ def test_a_cache_records_every_step_after_its_block_is_done(graph_engine, hf, wh
         assert_close(got[k][-1], expected[n + k - 1], what=f"{kind} cache of {what}, decode step {k}")
     if kind == "ray_taps" and what == "a tapped layer":
         # decode steps at the taps of breakable graphs; the prompt's step eagerly (its rows come from forward
-        # hooks, which a graph never runs: on the H100 in session 31, {'piecewise': 3, 'eager_for_block': 1})
+        # hooks, which a graph never runs: on an H100, {'piecewise': 3, 'eager_for_block': 1})
         modes.expect(modes.ran.get("piecewise", 0) >= STEPS - 1 and modes.ran.get("eager_for_block", 0) <= 1)
     else:
         modes.expect(modes.ran.get("eager_for_block", 0) >= STEPS - 1)
@@ -244,7 +244,7 @@ def test_extraction_of_generated_tokens_on_a_tapped_engine(ray_taps, hf, tmp_pat
         assert_close(data["model.layers.1.output"][rows], want["layers"][1], what=f"generated rows of prompt {index}")
     if not any("self_attn" in location for location in locations):
         # decode steps at the taps of breakable graphs; the prompt's step eagerly (its rows come from forward
-        # hooks, which a graph never runs: on the H100 in session 31, {'piecewise': 3, 'eager_for_block': 1})
+        # hooks, which a graph never runs: on an H100, {'piecewise': 3, 'eager_for_block': 1})
         modes.expect(modes.ran.get("piecewise", 0) >= STEPS - 1 and modes.ran.get("eager_for_block", 0) <= 1)
     else:
         modes.expect(modes.ran.get("eager_for_block", 0) >= STEPS - 1)

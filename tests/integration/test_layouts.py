@@ -344,15 +344,12 @@ def test_graph_modes_count_every_step_on_every_rank(engine):
 
 @pytest.mark.parametrize("engine", ["tp2", "tp2pp2", "pp3"], indirect=True, scope="module")
 def test_a_tap_inside_a_modules_forward_is_served_at_prefill_and_decode(engine, ref):
-    """``taps`` naming an operation in a forward (``.source.``; tp2 and tp2pp2, RayVLLM: LocalVLLM-only before
-    session 30): the ranks open that forward at load, and a trace reads the operation at the prefill and the
+    """``taps`` naming an operation in a forward (``.source.``; tp2 and tp2pp2, RayVLLM): the ranks open that forward at load, and a trace reads the operation at the prefill and the
     next step as the single-device engine does (on the CPU build every step is eager). At PP > 1 (tp2pp2, and
     pp3, LocalVLLM, with a tap inside a whole layer) the stages that do not hold layer 0 show its forward's
-    operations through their stand-in (``ownership.forward_templates``; before session 30 a ``.source`` read
-    failed there), and those that do not run a layer show a layer's own operations on vLLM's placeholder
-    (``ownership.lend_forwards``: a layer's, or the final norm's as the last stage offers it at load; before
-    session 31 LocalVLLM with ``LAYER_SOURCE_TAP`` at PP > 1 failed to start, and a read of
-    ``layers[0].source`` or ``norm.source`` failed on the stages without the module)."""
+    operations through their stand-in (``ownership.forward_templates``), and those that do not run a layer show a layer's own operations on vLLM's placeholder
+    (``ownership.lend_forwards``: a layer's, or the final norm's as the last stage offers it at load), so LocalVLLM with ``LAYER_SOURCE_TAP`` starts at PP > 1 and
+    ``layers[0].source`` and ``norm.source`` read on every stage."""
     name, model = engine
 
     def run(m):

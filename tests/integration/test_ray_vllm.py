@@ -123,7 +123,7 @@ def test_the_merge_actor_freezes_its_startup_heap(ray_tp1):
 def test_a_merge_actor_freezes_its_heap_whatever_froze_before(ray_cluster):
     """On the H200 something in a merge actor's process froze 375 objects before the actor froze its heap, and
     a guard on ``gc.get_freeze_count()`` then skipped the freeze: 770k objects stayed for a full collection to
-    scan, 0.4-0.7 s in the third run of every engine's first workload (session 26). Here the worker freezes
+    scan, 0.4-0.7 s in the third run of every engine's first workload. Here the worker freezes
     part of its heap while the actor still imports vLLM (its start-up thread), then the actor freezes once."""
     import gc
 

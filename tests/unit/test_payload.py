@@ -32,7 +32,7 @@ TENSORS = {
     "float8": torch.randn(5).to(torch.float8_e4m3fn),
     "conjugate": torch.randn(3, dtype=torch.complex64).conj(),
     "negative bit": torch.randn(3, dtype=torch.complex64).conj().imag,
-    "contiguous negative view": torch._neg_view(torch.arange(4.0)),  # failed alone before session 27
+    "contiguous negative view": torch._neg_view(torch.arange(4.0)),  # once failed alone
 }
 
 

@@ -417,7 +417,7 @@ def _named_after_the_grace(deaths: dict) -> str:
 
 
 def test_a_killed_rank_is_blamed_over_the_ranks_destroyed_with_its_placement_group():
-    """The CI finding (tp2pp2, session 31): a user ray.killed pp0.tp1; the deployment, taken down after it,
+    """Found by CI (tp2pp2): a user ray.killed pp0.tp1; the deployment, taken down after it,
     removed its placement group, which destroyed pp0.tp0 (here); the GCS showed both within the grace, and
     the survivor's cause was named as the deployment's own."""
     message = _named_after_the_grace({"R1": _entry("DEAD", "n2", 1000, cause=KILLED_CAUSE),

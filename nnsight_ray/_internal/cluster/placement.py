@@ -73,7 +73,7 @@ class RankPlacement(BaseModel):
         description="Start the rank actors' processes before vLLM's engine core (each imports torch and vLLM "
         "while the core's process does) and have the executor adopt them. On by default (NNSIGHT_RAY_EARLY_RANKS=0 "
         "turns it off): on the H200 a TP=1 engine starts in 62-66 s with it against 87-99 s without "
-        "(docs/performance.md, 'Session 25').",
+        "(docs/performance.md, 'Engine start-up').",
     )
 
     @classmethod

@@ -84,10 +84,10 @@ class MergeActor:
         if not self._heap_frozen:
             # As the engine actor does once its engine is up (vLLM's freeze_gc_heap): the startup heap
             # (torch, vLLM, Ray, nnsight) goes to a frozen generation no collection scans again. Without
-            # it one full collection here held a 2,048-prompt result for 403 ms (H200, session 18). Once
+            # it one full collection here held a 2,048-prompt result for 403 ms (H200). Once
             # per actor, whatever froze before: on the H200 something in the process froze 375 objects
             # first, a guard on gc.get_freeze_count() skipped this, and a full collection of the 770k
-            # unfrozen objects held the third run of every engine's first workload for 0.4-0.7 s (session 26).
+            # unfrozen objects held the third run of every engine's first workload for 0.4-0.7 s.
             self._heap_frozen = True
             await asyncio.to_thread(self._prewarm.join, 60)
             from vllm.utils.gc_utils import freeze_gc_heap

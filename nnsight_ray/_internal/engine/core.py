@@ -284,7 +284,7 @@ class EngineCore:
         prompt to the thread on its own, and the future, the callback and the
         wake-up per prompt ran on this actor's event loop, the same loop that
         adds the requests and takes their outputs. On the H200
-        (docs/performance.md, "Session 15") the GPU sat idle ~0.5 s of a 2 s
+        (benchmarks/results/HISTORY.md) the GPU sat idle ~0.5 s of a 2 s
         prefill run waiting for requests to arrive.
         """
         try:

@@ -37,7 +37,7 @@ def render_batches(prompts: list, chars: int) -> list[range]:
     batch is about ``chars / RENDER_RAMP``, each next one twice the last, up
     to ``chars``, so the GPU starts on the first prompts while the rest are
     tokenized (on the H200 a first batch of a whole step kept it idle ~80 ms;
-    docs/performance.md, "Session 16").
+    benchmarks/results/HISTORY.md).
     """
     sizes = [_chars(prompt) for prompt in prompts]
     limit = chars if sum(sizes) <= chars else max(chars // RENDER_RAMP, 1)
@@ -57,8 +57,8 @@ def render_batch(renderer: Any, parsed: list) -> list:
 
     ``render_cmpl`` tokenizes one prompt per tokenizer call; a fast tokenizer's
     call is a trip into Rust and its thread pool, and on the H200 host that was
-    38% of the engine actor's samples in a 2,048-prompt prefill (performance.md,
-    "Session 16"). Here every prompt that is text alone (no multimodal data, no
+    38% of the engine actor's samples in a 2,048-prompt prefill (benchmarks/results/HISTORY.md).
+    Here every prompt that is text alone (no multimodal data, no
     other keys, no token offsets wanted) goes through the renderer's own steps
     for text: ``apply_pre_tokenization`` (length check, lower-casing), the same
     tokenizer with the same ``get_encode_kwargs``, given the whole list at once,

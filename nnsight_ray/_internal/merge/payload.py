@@ -67,7 +67,7 @@ class _Pickler(_CompactPickler):
     objects that are not ints, floats, strings, bytes, lists, tuples, dicts or
     sets: a ``persistent_id`` would be a Python call for every object, every
     token id of every output included (6.5x plain pickle's time for 2,048
-    prefill outputs; docs/performance.md, "Session 16").
+    prefill outputs; benchmarks/results/HISTORY.md).
     """
 
     def __init__(self, file: Any, protocol: int, token: str | None = None) -> None:
