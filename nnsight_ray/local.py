@@ -26,6 +26,7 @@ from nnsight.modeling.vllm import VLLM
 
 from ._internal.blocks import graphs
 from ._internal.engine import platform
+from ._internal.ranks import limits
 from .errors import RequestError, intervention_error, raise_intervention
 
 __all__ = ["LocalVLLM", "intervention_error", "raise_intervention"]
@@ -49,6 +50,7 @@ class LocalVLLM(VLLM):
         from ._internal.cluster.placement import split_ray_options
 
         kwargs, _ = split_ray_options(kwargs)
+        kwargs = {key: value for key, value in kwargs.items() if key not in limits.ENGINE_KEYS}
         with platform.meta_build_without_accelerator():
             return super()._load_meta(repo_id, **kwargs)
 
@@ -59,7 +61,7 @@ class LocalVLLM(VLLM):
         # vLLM reads these in this process and the ones it starts (platform.ENGINE_ENV_DEFAULTS).
         for key, value in platform.engine_env().items():
             os.environ.setdefault(key, value)
-        kwargs = configure_engine_kwargs(platform.engine_defaults(kwargs))
+        kwargs = configure_engine_kwargs(limits.engine_limits(platform.engine_defaults(kwargs)))
         self._engine_kwargs = kwargs
         # enforce_eager=False without taps: graphs on the steps no block needs
         # (``_internal/blocks/graphs.py``); nnsight's VLLM would refuse it, so it is taken here.
@@ -117,9 +119,13 @@ class LocalVLLM(VLLM):
         from ._internal.observe.timeline import ATTACHED, CALLER
 
         began = time.monotonic()
+        asked = limits.request_limits(kwargs)  # trace(..., block_timeout_s=...): checked on the rank, against its max
         refs = envoy_refs.same_tree_as_ranks(self, self._pipeline_stages())
         with shared_reductions(self.interleaver.mediators), envoy_refs.by_reference(self) if refs else nullcontext():
             mediators = super()._attach_mediators(params, **kwargs)
+        if asked:
+            for param in params:
+                param.extra_args = {**(param.extra_args or {}), limits.LIMITS_KEY: asked}
         CALLER.mark(ATTACHED, len(params), began)
         return mediators
 

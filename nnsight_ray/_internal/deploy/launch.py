@@ -19,6 +19,7 @@ from ..cluster.placement import (NAMESPACE, RankPlacement, RankReservation, plac
                                  world_size)
 from ..cluster.ray_errors import cause
 from ..cluster.topology import RankId
+from ..ranks.limits import engine_limits
 from .actors import EngineActor, MergeActor
 from .records import Deployment, DeploymentSpec, forwarded_env
 
@@ -43,6 +44,7 @@ def launch(name: str, model: str, engine_kwargs: dict[str, Any], placement: Rank
     usage_context = checked_context(usage_context)
     placement = placement.model_copy(update={"engine_name": name})
     graphs.engine_mode(engine_kwargs)  # refuses a contradictory enforce_eager / taps here, in the caller
+    engine_limits(engine_kwargs)  # and limits on blocks that make no sense
     lifetime = "detached" if detached else None
     merge_names = tuple(f"{name}.merge{i}" for i in range(num_merge_actors))
     for actor_name in [f"{name}.engine", *merge_names]:

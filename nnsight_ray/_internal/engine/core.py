@@ -119,8 +119,9 @@ def engine_args(spec: Any) -> tuple[dict[str, Any], list[str]]:
     from ..blocks import graphs
     from . import parity, platform
     from ..ranks.executor import engine_kwargs_with
+    from ..ranks.limits import engine_limits
 
-    kwargs, graph_changes = graphs.engine_mode(platform.engine_defaults(spec.engine_kwargs))
+    kwargs, graph_changes = graphs.engine_mode(engine_limits(platform.engine_defaults(spec.engine_kwargs)))
     kwargs, changed = parity.entrypoint_kwargs(kwargs, parity.usage_context(spec.usage_context))
     changed += graph_changes
     kwargs = engine_kwargs_with(spec.placement, kwargs)

@@ -470,6 +470,24 @@ def _collect_serializer(serialize: Any) -> Iterator[None]:
         runner_module.dumps_compact = original
 
 
+@contextmanager
+def collect_filter(transform: Any) -> Iterator[None]:
+    """Within: what nnsight's ``collect_nnsight`` collected passes through ``transform`` before it is serialized.
+
+    Inside whichever serializer an outer call chose (``packed``, ``unserialized``): the
+    filter wraps the one in place, so a runner mixin below ``PackedCollectRunnerMixin``
+    sees every request's entry before any of it is pickled or stashed.
+    """
+    from nnsight.modeling.vllm.model_runners import GPUModelRunner as runner_module
+
+    original = runner_module.dumps_compact
+    runner_module.dumps_compact = lambda collected: original(transform(collected))
+    try:
+        yield
+    finally:
+        runner_module.dumps_compact = original
+
+
 def unserialized() -> Any:
     """Within: nnsight's ``collect_nnsight`` returns its dict instead of pickling it (a rank's stash)."""
     return _collect_serializer(_identity)

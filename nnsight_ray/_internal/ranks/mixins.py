@@ -7,6 +7,8 @@ nnsight's runner, around vLLM's load and forward.
 
 - ``PackedCollectRunnerMixin``: collected values are pickled one buffer per dtype, not ``torch.save``
   per tensor (``payload``); first, so every collect below it, the pipeline stage's included, packs.
+- ``LimitsRunnerMixin``: the engine's limits on each request's block (time) and saves (bytes) (``limits``); inside
+  ``PackedCollectRunnerMixin``'s serializer choice, above the pipeline stage's collect, so every stage's saves are bounded.
 - ``StageRunnerMixin``: pipeline stages (``pipeline``); inert at PP=1.
 - ``BlockNamesRunnerMixin``: a unique source name per received block (``block_names``).
 - ``SnapshotRunnerMixin``: saved values are snapshots, not views a later kernel overwrites (``snapshot``).
@@ -25,6 +27,7 @@ from ..blocks.graphs import GraphStepsRunnerMixin
 from ..merge.payload import PackedCollectRunnerMixin
 from ..pipeline import StageRunnerMixin
 from ..blocks.snapshot import SnapshotRunnerMixin
+from .limits import LimitsRunnerMixin
 
-RUNNER_MIXINS = (PackedCollectRunnerMixin, StageRunnerMixin, BlockNamesRunnerMixin, SnapshotRunnerMixin, EnvoyRefsRunnerMixin,
+RUNNER_MIXINS = (PackedCollectRunnerMixin, LimitsRunnerMixin, StageRunnerMixin, BlockNamesRunnerMixin, SnapshotRunnerMixin, EnvoyRefsRunnerMixin,
                  ExtractRunnerMixin, GraphStepsRunnerMixin)
