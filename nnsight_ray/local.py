@@ -108,6 +108,19 @@ class LocalVLLM(VLLM):
     def _pipeline_stages(self) -> int:
         return int((self.__dict__.get("_engine_kwargs") or {}).get("pipeline_parallel_size") or 1)
 
+    def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
+        # An invoke's (or a direct-input trace's) block limits are ours, not SamplingParams fields.
+        cleaned, asked = [], []
+        for inputs, kwargs in invokes:
+            kwargs = dict(kwargs)
+            asked.append(limits.request_limits(kwargs))
+            cleaned.append((inputs, kwargs))
+        (prompts, params, loras), rest = super()._batch(cleaned, fn)
+        for param, mine in zip(params, asked):
+            if mine:
+                param.nnsight_ray_limits = mine
+        return (prompts, params, loras), rest
+
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
         # Each request names the ranks' own envoy tree rather than carrying a
         # copy, where the ranks' tree is this one (see `_internal.envoy_refs`).
@@ -123,9 +136,10 @@ class LocalVLLM(VLLM):
         refs = envoy_refs.same_tree_as_ranks(self, self._pipeline_stages())
         with shared_reductions(self.interleaver.mediators), envoy_refs.by_reference(self) if refs else nullcontext():
             mediators = super()._attach_mediators(params, **kwargs)
-        if asked:
-            for param in params:
-                param.extra_args = {**(param.extra_args or {}), limits.LIMITS_KEY: asked}
+        for param in params:
+            mine = {**asked, **getattr(param, "nnsight_ray_limits", {})}
+            if mine:
+                param.extra_args = {**(param.extra_args or {}), limits.LIMITS_KEY: mine}
         CALLER.mark(ATTACHED, len(params), began)
         return mediators
 

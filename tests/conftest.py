@@ -98,7 +98,8 @@ def session_engines(request, model_dir):
         # enforce_eager=True: a keyword nnsight's VLLM takes (and pops), once refused here (issue 14.2).
         # early_ranks=False: the one session engine whose rank vLLM's executor creates itself (every other engine
         # of the suite starts its ranks early, the default, and the executor adopts them).
-        "tp1": {"enforce_eager": True, "early_ranks": False},
+        # max_save_bytes: one tenant's saves over it fail that request alone (test_tenants.py).
+        "tp1": {"enforce_eager": True, "early_ranks": False, "max_save_bytes": 32 << 20},
         # taps (issue 23): a graph engine; on the CPU build every step runs eagerly and serves every location,
         # so every test on tp2 (layouts, batch, remote) also checks that untapped locations are served.
         # A tap inside a module's forward too (``.source.``), checked on the client's meta tree and opened on the ranks.

@@ -119,10 +119,12 @@ def request_limits(kwargs: dict[str, Any]) -> dict[str, Any]:
 class Switch:
     """One switch into a block: who, on which thread, since when, and the budget it has."""
 
-    __slots__ = ("mediator", "thread_id", "started", "budget_s", "why", "sent", "accounted")
+    __slots__ = ("mediator", "thread_id", "started", "budget_s", "why", "where", "sent", "accounted")
 
     def __init__(self, mediator: Any, thread_id: int, started: float, budget_s: float, why: str) -> None:
         self.mediator = mediator
+        pending = getattr(mediator, "pending", None)
+        self.where = getattr(pending, "provider", None)  # the location the block was handed, if it was parked
         self.thread_id = thread_id
         self.started = started
         self.budget_s = budget_s
@@ -236,8 +238,9 @@ class LimitedMediator:
         else:
             limit = (f"block_total_timeout_s={limits.block_total_timeout_s:g} (the most a block may run over its "
                      f"whole request; {self.nnsight_ray_used_s:.1f} s used)")
+        where = f"after it was handed {switch.where}" if switch.where else "from its start"
         return (f"request {self.nnsight_ray_request}: its intervention block was stopped after running {ran:.1f} s "
-                f"without giving the model its thread back; the limit is {limit}. Other requests were not "
+                f"{where} without giving the model its thread back; the limit is {limit}. Other requests were not "
                 f"affected. Raise it per trace with trace(..., block_timeout_s=..., block_total_timeout_s=...) up "
                 f"to the engine's max_block_timeout_s={limits.max_block_timeout_s:g}.")
 
