@@ -30,7 +30,7 @@ def hidden(model, prompt, **how):
 def runaway(model, kind, **how):
     """A non-blocking trace whose block misbehaves in one way (``kind``) after reading layer 0."""
     with model.trace("A runaway tenant", temperature=0.0, max_tokens=2, blocking=False, **how) as tracer:
-        model.model.layers[0].output[0].clone().save()
+        first = model.model.layers[0].output[0].clone().save()  # noqa: F841 (read before misbehaving)
         if kind == "spin":
             i = 0
             while True:
@@ -56,7 +56,7 @@ def runaway(model, kind, **how):
         elif kind == "big saves":
             import torch as t
 
-            t.zeros(10_000_000).save()  # 40 MB, over the engine's max_save_bytes (32 MiB)
+            big = t.zeros(10_000_000).save()  # noqa: F841 (40 MB: over the engine's max_save_bytes, 32 MiB)
     return tracer
 
 
