@@ -20,7 +20,7 @@ the bytes of the requests' blocks, which must be equal.
 
 Usage::
 
-    python scripts/bench_attach.py [--invokes 256] [--runs 12] [--envoys-by-value] [--ray-pp 2] [--model-dir DIR]
+    python -m benchmarks.attach [--invokes 256] [--runs 12] [--envoys-by-value] [--ray-pp 2] [--model-dir DIR]
 """
 
 from __future__ import annotations

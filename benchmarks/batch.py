@@ -21,13 +21,13 @@ is ``batch >= 0.9 x max(local-loop, local-chunk)``.
 
 Usage::
 
-    python scripts/bench_batch.py [--prompts N] [--rounds R] [--chunk C] [--tp T] [--pp P]
+    python -m benchmarks.batch [--prompts N] [--rounds R] [--chunk C] [--tp T] [--pp P]
                                   [--nodes K] [--replicas N] [--prompts-per-trace K] [--max-in-flight W]
                                   [--model-dir DIR] [--json PATH]
 
 Example::
 
-    .venv/bin/python scripts/bench_batch.py --prompts 256 --rounds 3
+    .venv/bin/python -m benchmarks.batch --prompts 256 --rounds 3
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 nnsight's ``tests/test_vllm.py`` (and its ``tests/conftest.py``: ``--tp``, the
 ``ET_prompt`` / ``MSG_prompt`` fixtures) are read at run time from a git
-checkout of nnsight (default: the mirror's bare repo at ``HEAD``) into a temp
-dir, never copied into this project. Each target runs in its own pytest
-process with this file as a plugin (``-p nnsight_suite``), which, after the
+clone of nnsight (``--nnsight-repo`` or ``$NNSIGHT_REPO``; a bare clone will
+do) at ``--rev`` into a temp dir, never copied into this project. Each target
+runs in its own pytest process with this module as a plugin
+(``-p benchmarks.nnsight_suite``, the repository on ``PYTHONPATH``), which, after the
 test module is imported and before its fixtures are parsed, replaces two of
 its globals:
 
@@ -22,22 +23,24 @@ on 127.0.0.1), ``ray-pp2``. Tests asserting English tokens fail everywhere on
 a random model; what matters is a test that passes on ``local`` and fails on a
 Ray target (the summary line counts those).
 
-Usage::
+Usage (from the repository root)::
 
-    python scripts/nnsight_suite.py [--targets local,ray-tp1,ray-tp2,ray-pp2] [--repeat N]
-        [--nnsight-repo /work/.mirror/ndif-team+nnsight/repo] [--rev HEAD]
-        [--test-file tests/test_vllm.py] [-k EXPR] [--timeout 1200] [--markdown out.md]
+    python -m benchmarks.nnsight_suite --nnsight-repo DIR [--targets local,ray-tp1,ray-tp2,ray-pp2] [--repeat N]
+        [--rev HEAD] [--test-file tests/test_vllm.py] [-k EXPR] [--timeout 1200] [--markdown out.md]
+
+``DIR`` is any git clone of nnsight (``git clone https://github.com/ndif-team/nnsight``);
+``NNSIGHT_REPO=DIR`` in the environment stands for ``--nnsight-repo DIR``.
 
 Examples::
 
-    # everything, once (each target holds /tmp/nnsight-engine.lock while it runs)
-    python scripts/nnsight_suite.py
+    # everything, once (each target holds the engine lock, nnsight-engine.lock in the temp dir, while it runs)
+    python -m benchmarks.nnsight_suite --nnsight-repo path/to/nnsight
     # the lock held once for all four targets
-    flock /tmp/nnsight-engine.lock timeout 3600 python scripts/nnsight_suite.py --no-lock
+    flock /tmp/nnsight-engine.lock timeout 3600 python -m benchmarks.nnsight_suite --nnsight-repo path/to/nnsight --no-lock
     # only the cache tests at PP=2 against the local reference
-    python scripts/nnsight_suite.py --targets local,ray-pp2 -k TestCache
+    python -m benchmarks.nnsight_suite --nnsight-repo path/to/nnsight --targets local,ray-pp2 -k TestCache
     # three runs of every target, to see flakes; table also written as markdown
-    python scripts/nnsight_suite.py --repeat 3 --markdown /tmp/suite.md
+    python -m benchmarks.nnsight_suite --nnsight-repo path/to/nnsight --repeat 3 --markdown suite.md
 """
 
 from __future__ import annotations
@@ -60,14 +63,15 @@ TARGETS = {
 #: ``--tp`` handed to the suite per target (its tp-dependent branches: skip below 2, tp == 1 checks).
 SUITE_TP = {"local": 1, "ray-tp1": 1, "ray-tp2": 2, "ray-pp2": 1}
 ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20)
-DEFAULT_REPO = "/work/.mirror/ndif-team+nnsight/repo"
-DEFAULT_CKPT = "/tmp/nnsight-suite/gpt2-12"
-LOCK = "/tmp/nnsight-engine.lock"
+DEFAULT_CKPT = os.path.join(tempfile.gettempdir(), "nnsight-suite", "gpt2-12")
+#: Held by each target's pytest process: one engine-running suite at a time on a machine.
+LOCK = os.path.join(tempfile.gettempdir(), "nnsight-engine.lock")
 ROOT = Path(__file__).resolve().parents[1]
+PLUGIN = "benchmarks.nnsight_suite"
 
 
 # ---------------------------------------------------------------------------------------------
-# The pytest plugin (this module, loaded with -p nnsight_suite in each target's pytest process)
+# The pytest plugin (this module, loaded with -p benchmarks.nnsight_suite in each target's pytest process)
 # ---------------------------------------------------------------------------------------------
 
 _ENGINES: list = []
@@ -183,10 +187,9 @@ def run_target(target: str, test_path: Path, ckpt: str, junit: Path, timeout: in
     env = dict(os.environ)
     env.update(NNSIGHT_SUITE_TARGET=target, NNSIGHT_SUITE_CKPT=ckpt, TOKENIZERS_PARALLELISM="false",
                RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", NNSIGHT_RAY_ABANDON_AFTER_S="10",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), str(ROOT),
-                                           env.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     cmd = (["flock", LOCK] if lock else []) + ["timeout", "-k", "30", str(timeout), sys.executable, "-m", "pytest", str(test_path),
-           "-p", "nnsight_suite", "-p", "no:cacheprovider", "--rootdir", str(test_path.parent),
+           "-p", PLUGIN, "-p", "no:cacheprovider", "--rootdir", str(test_path.parent),
            "-q", "-rN", "--tb=line", f"--tp={SUITE_TP[target]}", f"--junitxml={junit}"]
     if kexpr:
         cmd += ["-k", kexpr]
@@ -240,9 +243,10 @@ def table(results: dict[str, dict[str, tuple[str, str]]], targets: list[str]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.nnsight_suite", description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default=",".join(TARGETS))
-    parser.add_argument("--nnsight-repo", default=DEFAULT_REPO)
+    parser.add_argument("--nnsight-repo", default=os.environ.get("NNSIGHT_REPO"),
+                        help="a git clone of nnsight (bare or not) to read its tests from; default $NNSIGHT_REPO")
     parser.add_argument("--rev", default="HEAD")
     parser.add_argument("--test-file", default="tests/test_vllm.py")
     parser.add_argument("--checkpoint", default=DEFAULT_CKPT, help="built (arch gpt2-12) unless already there")
@@ -257,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
         parser.error(f"unknown targets {unknown}; choose from {list(TARGETS)}")
+    if not args.nnsight_repo:
+        parser.error("--nnsight-repo DIR (or NNSIGHT_REPO=DIR): a git clone of nnsight, whose tests are run")
 
-    sys.path.insert(0, str(ROOT))
     from nnsight_ray.models import ensure_model
 
     ckpt = str(ensure_model(args.checkpoint, arch="gpt2-12"))

@@ -10,7 +10,7 @@ Shapes: ``every-step`` (256 requests x 32 steps of one hidden-state row, 2048 bf
 the GPU bench's every-step workload) and ``extract`` (64 requests x 4 layers x 128
 tokens x 2048 bf16, 134 MB: a trace saving whole layers).
 
-    python scripts/bench_payloads.py [--repeats 7]
+    python -m benchmarks.payloads [--repeats 7]
 """
 
 from __future__ import annotations

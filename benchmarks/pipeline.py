@@ -29,12 +29,12 @@ Timings on a shared machine are noisy; compare medians, not single runs.
 
 Usage::
 
-    python scripts/bench_pipeline.py [--runs N] [--warmup N] [--steps N]
+    python -m benchmarks.pipeline [--runs N] [--warmup N] [--steps N]
                                      [--prompt TEXT] [--model-dir DIR] [--address ADDR]
 
 Example::
 
-    .venv/bin/python scripts/bench_pipeline.py --runs 15
+    .venv/bin/python -m benchmarks.pipeline --runs 15
 """
 
 from __future__ import annotations

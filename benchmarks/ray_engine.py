@@ -29,11 +29,11 @@ Parts (pick with ``--parts``; default all):
 
 Usage::
 
-    python scripts/bench_ray_engine.py [--parts executor,rayvllm,loop,stall,bytes] [--prompts 64] [--tokens 16]
+    python -m benchmarks.ray_engine [--parts executor,rayvllm,loop,stall,bytes] [--prompts 64] [--tokens 16]
 
 Example (what docs/performance.md reports)::
 
-    .venv/bin/python scripts/bench_ray_engine.py
+    .venv/bin/python -m benchmarks.ray_engine
 """
 
 from __future__ import annotations
@@ -247,14 +247,11 @@ def part_stall(remote, n: int = 16, tokens: int = 32, probe_tokens: int = 160, r
 
 
 def part_bytes(model_dir: str, remote, n: int = 32) -> dict:
-    import importlib.util
-
     from nnsight_ray import LocalVLLM
 
-    spec = importlib.util.spec_from_file_location("bench_serve", os.path.join(os.path.dirname(__file__), "bench_serve.py"))
-    bench_serve = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_serve)
-    # at most 200 tokens: nnsight's server runs bench_serve.py's engine (max_model_len 256)
+    from . import serve as bench_serve
+
+    # at most 200 tokens: nnsight's server runs benchmarks/serve.py's engine (max_model_len 256)
     long_prompt = "abcdefghij" * 20
 
     def ray_run():

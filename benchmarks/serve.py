@@ -27,13 +27,13 @@ against the first ones the nnsight server returned for the same prompt.
 
 Usage::
 
-    python scripts/bench_serve.py [--tp N] [--pp N] [--concurrency 1,16] [--slices N]
+    python -m benchmarks.serve [--tp N] [--pp N] [--concurrency 1,16] [--slices N]
                                   [--requests N] [--max-tokens T] [--layer L]
                                   [--time-limit S] [--model-dir DIR] [--json FILE]
 
 Example (what docs/serve.md reports)::
 
-    .venv/bin/python scripts/bench_serve.py --concurrency 1,16 --slices 6
+    .venv/bin/python -m benchmarks.serve --concurrency 1,16 --slices 6
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 256 << 20}
 KEY = "bench-key"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 def free_port() -> int:
@@ -111,8 +112,9 @@ def start_nnsight_server(model_dir: str, tp: int, pp: int) -> tuple[subprocess.P
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(tp * pp)))
     log = open(os.path.join(tempfile.gettempdir(), f"bench_serve_nnsight_{port}.log"), "wb")
     print(f"nnsight-serve log: {log.name}", flush=True)
-    proc = subprocess.Popen([sys.executable, __file__, "--_nnsight-server", model_dir, str(port), str(tp), str(pp)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])  # finds `benchmarks`
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.serve", "--_nnsight-server", model_dir, str(port), str(tp),
+                             str(pp)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
 
 

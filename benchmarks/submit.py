@@ -1,26 +1,28 @@
 """How soon the engine actor's first request of a long call reaches vLLM (``EngineCore.submit``).
 
-    python scripts/bench_submit.py      # CPU build, tiny Llama; 2,048 prompts of 256 tokens, max_tokens=1
+    python -m benchmarks.submit      # CPU build, tiny Llama; 2,048 prompts of 256 tokens, max_tokens=1
 
 Prints, per call (the first is a warm-up), the time from ``submit`` to the first
 and the last request handed to vLLM's ``AsyncLLM`` and to the last finished:
 the first is how long the GPU sits idle while the call's prompts are tokenized
-(docs/performance.md, "Session 14").
+(docs/performance.md).
 """
-import asyncio, os, sys, time
-
-sys.path.insert(0, os.path.join(os.getcwd(), "scripts"))
+import asyncio
+import os
+import tempfile
+import time
 
 
 async def main():
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
-    from bench_gpu import extract_prompts
     from nnsight_ray._internal.engine.core import EngineCore
     from nnsight_ray.models import ensure_model
 
-    path = str(ensure_model("/tmp/bench-llama", arch="llama"))
+    from .gpu.workloads import extract_prompts
+
+    path = str(ensure_model(os.path.join(tempfile.gettempdir(), "bench-llama"), arch="llama"))
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, dtype="float32", max_model_len=512,
                                                     kv_cache_memory_bytes=256 << 20, enforce_eager=True,
                                                     enable_prefix_caching=False, disable_log_stats=True))

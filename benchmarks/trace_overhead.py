@@ -19,13 +19,13 @@ noisy; compare medians, not single runs.
 
 Usage::
 
-    python scripts/bench_trace_overhead.py [--arch llama|gpt2] [--runs N] [--warmup N]
+    python -m benchmarks.trace_overhead [--arch llama|gpt2] [--runs N] [--warmup N]
                                            [--layer L] [--prompt TEXT] [--dtype DTYPE]
                                            [--model-dir DIR]
 
 Example::
 
-    .venv/bin/python scripts/bench_trace_overhead.py --runs 20
+    .venv/bin/python -m benchmarks.trace_overhead --runs 20
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Run one trace under several TP x PP x placement layouts and check each against the single-rank run.
+"""``nnsight-ray compare-layouts``: one trace under several TP x PP x placement layouts, each checked against
+the single-rank run.
 
-For every layout the script starts a ``RayVLLM`` engine, runs the same
+For every layout the command starts a ``RayVLLM`` engine, runs the same
 greedy trace (every decoder layer's output at every generation step, the
 logits of every step, the generated tokens) on each prompt, compares all of
 it with the single-rank engine (TP=1, PP=1) on the same cluster, records
@@ -11,23 +12,25 @@ and the others still run.
 
 Usage::
 
-    python scripts/compare_layouts.py [--model DIR | --arch llama|gpt2]
+    nnsight-ray compare-layouts [--model DIR | --arch llama|gpt2]
         [--layouts TPxPP,...] [--strategies STRATEGY,...]
         [--address HOST:PORT | --local-nodes N [--cpus-per-node C]]
         [--prompt TEXT ...] [--max-tokens N] [--repeats N] [--rel-tol X]
         [--engine-arg KEY=VALUE ...] [--reference NAME] [--json FILE]
 
+(``python -m nnsight_ray.cli compare-layouts ...`` is the same command.)
+
 Examples::
 
     # an embedded three-raylet cluster on 127.0.0.1 and the project's tiny Llama:
     # TP=2, PP=2 and TP=2 x PP=2 under SPREAD
-    python scripts/compare_layouts.py
+    nnsight-ray compare-layouts
     # the local simulation of cluster_configs/local-multinode.sh, two strategies
     bash cluster_configs/local-multinode.sh
-    RAY_ADDRESS=127.0.0.1:6390 python scripts/compare_layouts.py --layouts 2x1,1x2 \\
+    RAY_ADDRESS=127.0.0.1:6390 nnsight-ray compare-layouts --layouts 2x1,1x2 \\
         --strategies STRICT_SPREAD,PACK
     # a GPU cluster (run on a cluster node or as a Ray job), a checkpoint on shared storage
-    python scripts/compare_layouts.py --address auto --model /shared/llama-3-8b \\
+    nnsight-ray compare-layouts --address auto --model /mnt/shared/llama-3-8b \\
         --layouts 4x1,2x2,1x4 --engine-arg dtype=bfloat16 --rel-tol 2e-2
 
 A layout ``TPxPP`` is tensor x pipeline parallel size (``2x1`` = TP=2). Each
@@ -49,7 +52,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+__all__ = ["add_arguments", "build_parser", "check_arguments", "main", "run"]
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DEFAULT_PROMPTS = ("The quick brown fox", "Hello world, this is", "abc")
@@ -91,9 +96,7 @@ def parse_engine_arg(text: str) -> tuple[str, Any]:
         return key, value
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", help="checkpoint folder readable by every node (default: build the tiny one)")
     model.add_argument("--arch", default="llama", choices=("llama", "gpt2"),
@@ -119,7 +122,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "instead of starting one; it must serve the same checkpoint with TP=1, PP=1")
     parser.add_argument("--json", dest="json_path", help="write the report here")
     parser.add_argument("--workdir", default="runs/compare-layouts", help="where the tiny checkpoint goes")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults that depend on others, and the ranges argparse does not check (``parser.error``: exit 2)."""
     args.prompts = args.prompts or list(DEFAULT_PROMPTS)
     if args.max_tokens < 1 or args.repeats < 0 or args.local_nodes < 1:
         parser.error("--max-tokens and --local-nodes must be >= 1, --repeats >= 0")
@@ -222,7 +229,7 @@ def node_labels() -> dict[str, str]:
 def run_layout(model_path: str, tp: int, pp: int, strategy: str, prompts: list[str], args: argparse.Namespace,
                engine_args: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Start the engine, trace every prompt (first run + ``repeats`` timed), shut it down."""
-    from nnsight_ray import RayVLLM
+    from .ray_vllm import RayVLLM
 
     report: dict[str, Any] = {"layout": f"{tp}x{pp}", "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
                               "placement_strategy": strategy, "name": name}
@@ -243,7 +250,7 @@ def run_layout(model_path: str, tp: int, pp: int, strategy: str, prompts: list[s
 def connect_reference(name: str, model_path: str, prompts: list[str], args: argparse.Namespace
                       ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The reference from a running deployment (``--reference NAME``): traced, not started or stopped."""
-    from nnsight_ray import RayVLLM
+    from .ray_vllm import RayVLLM
 
     report: dict[str, Any] = {"layout": "1x1", "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
                               "name": name, "connected": True}
@@ -290,14 +297,14 @@ def connect(args: argparse.Namespace):
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    from nnsight_ray._internal.cluster.placement import NAMESPACE
+    from ._internal.cluster.placement import NAMESPACE
 
     if ray.is_initialized():
         return None
     if args.address:
         ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
         return ray.shutdown
-    from nnsight_ray.batch.local_cluster import LocalCluster
+    from .batch.local_cluster import LocalCluster
 
     cluster = LocalCluster(args.local_nodes, cpus_per_node=args.cpus_per_node, log_to_driver=False)
     return cluster.shutdown
@@ -307,7 +314,7 @@ def compare_layouts(args: argparse.Namespace) -> dict[str, Any]:
     """Reference first (TP=1, PP=1, PACK), then every layout x strategy; the report."""
     import uuid
 
-    from nnsight_ray import ensure_model
+    from .models import ensure_model
 
     model_path = args.model or str(ensure_model(Path(args.workdir) / f"tiny-{args.arch}", arch=args.arch))
     # The defaults size the CPU engine for the tiny checkpoints only.
@@ -368,8 +375,8 @@ def print_report(report: dict[str, Any]) -> None:
     print("all layouts match the single-rank run" if report["all_match"] else "NOT every layout matches")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Every layout of ``args`` against the reference; the exit status (0: every layout matched)."""
     stop = connect(args)
     try:
         report = compare_layouts(args)
@@ -381,6 +388,16 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(report, indent=2, default=str))
     return 0 if report["all_match"] else 1
+
+
+def build_parser(prog: str = "nnsight-ray compare-layouts") -> argparse.ArgumentParser:
+    return add_arguments(argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    command = build_parser()
+    return run(check_arguments(command, command.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -77,10 +77,22 @@ def stop_processes(needles: list[str]) -> None:
             time.sleep(0.5)
 
 
-def submit_batch(dashboard: str, config: dict, folder, env: dict):
-    """Write ``config`` as YAML in ``folder`` and run it through ``scripts/submit_batch.py`` (``ray job submit``)."""
-    import subprocess
+def nnsight_ray_command(*args: str) -> list[str]:
+    """``nnsight-ray ARGS`` as users run it: the console script beside this interpreter (``pip install`` puts it
+    there), else ``python -m nnsight_ray.cli``, the same command."""
+    import shutil
     import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("nnsight-ray")
+    if script.exists() or (script := shutil.which("nnsight-ray")):
+        return [str(script), *args]
+    return [sys.executable, "-m", "nnsight_ray.cli", *args]
+
+
+def submit_batch(dashboard: str, config: dict, folder, env: dict):
+    """Write ``config`` as YAML in ``folder`` and run it through ``nnsight-ray submit`` (``ray job submit``)."""
+    import subprocess
     from pathlib import Path
 
     import yaml
@@ -88,8 +100,8 @@ def submit_batch(dashboard: str, config: dict, folder, env: dict):
     path = Path(folder) / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "submit_batch.py"),
-         "--address", dashboard, "--no-working-dir", "--config", str(path), "--env", "TOKENIZERS_PARALLELISM=false"],
+        nnsight_ray_command("submit", "--address", dashboard, "--no-working-dir", "--config", str(path),
+                            "--env", "TOKENIZERS_PARALLELISM=false"),
         env=env, capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

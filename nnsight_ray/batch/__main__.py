@@ -62,6 +62,12 @@ def _logging(verbose: bool) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if args.local_cluster:
+        # Before anything imports Ray (the preflight imports vLLM, which does): the embedded cluster and this
+        # driver stay on 127.0.0.1 (else the driver looks for its raylet at the machine's external address).
+        from .local_cluster import loopback_only
+
+        loopback_only()
     from .config import load_config
     from .errors import BatchConfigError, BatchRunError
 

@@ -12,6 +12,14 @@ fail ("The current node timed out during startup"). It is then retried, after
 ending the processes the failed attempt started (this process's new
 children, by pid), so nothing is left behind.
 
+Every raylet and the driver bind 127.0.0.1: ``loopback_only()`` sets
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which Ray reads once, when it is first
+imported; a driver whose Ray read it unset dials the machine's external
+address for a raylet that is not there, for minutes. Entry points that start a
+cluster call it before anything imports Ray (``python -m nnsight_ray.batch
+--local-cluster N`` before its preflight, which imports vLLM and so Ray);
+``LocalCluster`` calls it too, and corrects a Ray imported earlier.
+
 The GCS here declares a lost raylet dead within ``HEALTH_CHECK`` (about 3 s
 for a killed raylet, 13 s with Ray's defaults; docs/clusters.md, "A lost
 node"), so a deployment that loses a node fails every waiter within 10 s.
@@ -22,11 +30,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LocalCluster"]
+__all__ = ["LocalCluster", "loopback_only"]
 
 _ATTEMPTS = 3
 
@@ -70,6 +79,26 @@ def _ports() -> dict[str, int]:
     return ports
 
 
+def loopback_only() -> None:
+    """Keep Ray on 127.0.0.1 in this process and the raylets it starts; call before anything imports Ray.
+
+    Sets ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` unless it is set, and how long
+    a raylet waits for its agents' port files before it aborts
+    (``RAY_raylet_start_wait_time_s``, read by the raylet binary; Ray's
+    default is too short on a busy machine). Ray reads the first once, at
+    import: if it was imported already, its copy is read again from the
+    environment, as Ray reads it (``ray._private.ray_constants``).
+    """
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        enabled = constants.env_bool(constants.ENABLE_RAY_CLUSTERS_ENV_VAR, not constants.IS_WINDOWS_OR_OSX)
+        if enabled != constants.ENABLE_RAY_CLUSTER:
+            logger.debug("ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER was set; now %s", enabled)
+            constants.ENABLE_RAY_CLUSTER = enabled
+
+
 def _children() -> set[int]:
     me = os.getpid()
     found = set()
@@ -96,12 +125,7 @@ class LocalCluster:
                  head_cpus: int | None = None) -> None:
         if n < 1:
             raise ValueError(f"--local-cluster {n}: need at least one raylet")
-        # Before Ray is imported: every raylet and this driver bind 127.0.0.1.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        # How long a raylet waits for its agents' port files before it aborts
-        # (`raylet_start_wait_time_s`, read by the raylet binary; Ray's default
-        # is too short on a busy machine).
-        os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+        loopback_only()  # every raylet and this driver bind 127.0.0.1
         import ray
 
         from .._internal.cluster.placement import NAMESPACE

@@ -3,8 +3,9 @@
 ``prepare`` reads the prompts, loads the intervention file or resolves every
 save location on nnsight's meta tree of the model (built from the config only,
 no weights), checks the engine arguments against vLLM's and the taps against the tree, builds the tiny test
-model if asked, and refuses an output folder written from other inputs. Every
-mistake a config can hold fails here, in seconds, with the key or file named.
+model if asked, picks the output format (``formats``), and refuses an output
+folder it cannot write or one written from other inputs. Every mistake a
+config can hold fails here, in seconds, with the key or file named.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any, Callable
 
 from .config import BatchConfig
 from .errors import BatchConfigError
+from .formats import OutputFormat, output_format
 from .interventions import SaveRead, load_intervention, reader, resolve_saves
 from .prompts import Prompt, file_digest, read_prompts
-from .shards import RunDir, ShardPlan, plan_shards
+from .shards import RunDir, ShardPlan, check_writable, plan_shards
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class Prepared:
     reads: tuple[SaveRead, ...]
     run_dir: RunDir
     previous: dict[str, Any] | None
+    output_format: OutputFormat
 
 
 def prepare(config: BatchConfig, config_file: str | None = None, resolve: bool = True) -> Prepared:
@@ -53,6 +56,7 @@ def prepare(config: BatchConfig, config_file: str | None = None, resolve: bool =
     argument names, the meta tree): the cheap checks only.
     """
     prompts = read_prompts(_abs(config.prompts.path), config.prompts.id_field, config.prompts.text_field)
+    check_writable(_abs(config.output.dir))
     if config.intervention:
         fn, code_digest = load_intervention(_abs(config.intervention))
         columns: list[str] = []
@@ -68,6 +72,7 @@ def prepare(config: BatchConfig, config_file: str | None = None, resolve: bool =
             reads = resolve_saves(module, config.saves)
     if fn is None:
         fn = reader(reads)
+    output = output_format(config)
     fingerprint = {
         "model": {"path": model_path, "build_arch": config.model.build_arch},
         "prompts": {"sha256": file_digest(_abs(config.prompts.path)), "id_field": config.prompts.id_field,
@@ -76,13 +81,12 @@ def prepare(config: BatchConfig, config_file: str | None = None, resolve: bool =
         "intervention_sha256": code_digest,
         "sampling": config.sampling.model_dump(),
         "shard_size": config.output.shard_size,
-        **({"format": "activations", "dtype": config.output.dtype} if config.activations else {}),
-        **({"generated": True} if config.output.generated else {}),  # absent otherwise: older runs still resume
+        **output.fingerprint(),
     }
-    run_dir = RunDir(_abs(config.output.dir), fingerprint, activations=config.activations)
+    run_dir = RunDir(_abs(config.output.dir), fingerprint)
     previous = run_dir.check_compatible()
     return Prepared(config, config_file, model_path, prompts, plan_shards(prompts, config.output.shard_size),
-                    fn, columns, reads, run_dir, previous)
+                    fn, columns, reads, run_dir, previous, output)
 
 
 def _abs(path: str) -> Path:

@@ -2,7 +2,9 @@
 
 ``start_replicas`` starts the ``RayVLLM`` deployments together; ``Replica``
 is one of them (or an engine the caller handed in) with the traces it has in
-flight; ``submit_trace`` sends one non-blocking trace of a chunk of prompts.
+flight; ``submit_trace`` sends one non-blocking trace of a chunk of prompts,
+``submit_extract`` / ``commit_extract`` / ``collect_commits`` the requests of an
+activation chunk and its files' commits (``formats`` says which a run uses).
 ``classify`` tells an engine's loss from one request's failure, and
 ``error_info`` turns a request's error into its row of ``errors.jsonl``.
 """
@@ -15,13 +17,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .preflight import Prepared
+from .config import EngineConfig
 from .scheduler import Chunk
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InFlight", "Replica", "classify", "error_info", "part_name", "start_replicas", "submit_extract",
-           "submit_trace", "where"]
+__all__ = ["InFlight", "Replica", "classify", "collect_commits", "commit_extract", "discard_extract", "error_info",
+           "part_name", "start_replicas", "submit_extract", "submit_trace", "where"]
 
 
 def submit_trace(model: Any, texts: list[str], fn: Callable, sampling: dict[str, Any]) -> Any:
@@ -42,11 +44,14 @@ def submit_trace(model: Any, texts: list[str], fn: Callable, sampling: dict[str,
 
 @dataclass
 class InFlight:
+    """A chunk's request in flight on a replica; ``ref`` is what its result comes back on."""
+
     chunk: Chunk
     replica: "Replica"
     submitted: float
     part: str | None = None  # activations: the part file the ranks keep the chunk's rows under
     commits: list[Any] | None = None  # activations, second phase: each rank's commit of ``part``
+    ref: Any = None
 
 
 def part_name(shard: int, positions: Sequence[int], shard_prompts: int) -> str:
@@ -61,6 +66,28 @@ def submit_extract(model: Any, texts: list[str], part: str, directory: str, loca
     return model.vllm_entrypoint.extract_async(texts, part, directory, locations, indices=indices, dtype=dtype,
                                                max_tokens=sampling["max_tokens"],
                                                temperature=sampling.get("temperature", 0.0), generated=generated)
+
+
+def commit_extract(model: Any, part: str, fsync: bool) -> list[Any]:
+    """Have the writing ranks write ``part``'s files; one ref per rank, each resolving to what it wrote (or None)."""
+    return model.vllm_entrypoint.extract_commit(part, fsync=fsync)
+
+
+def discard_extract(model: Any, part: str) -> None:
+    """Drop the rows the ranks keep for ``part`` (its requests failed)."""
+    model.vllm_entrypoint.extract_discard(part)
+
+
+def collect_commits(commits: list[Any], part: str) -> list[dict[str, Any]] | BaseException:
+    """What each writing rank wrote of ``part``: ``{"file", "rows", "bytes", "prompts"}``; the error if one failed."""
+    import ray
+
+    from .._internal.cluster.ray_errors import get as ray_get
+
+    try:
+        return [w for w in ray_get(commits) if w is not None]
+    except Exception as error:  # a rank died while writing
+        return error if isinstance(error, ray.exceptions.RayError) else RuntimeError(f"writing {part}: {error}")
 
 
 class Replica:
@@ -110,7 +137,8 @@ class Replica:
                 logger.warning("replica %s did not shut down cleanly", self.name, exc_info=True)
 
 
-def start_replicas(indices: Sequence[int], prepared: Prepared, tag: str, generation: int = 0) -> list[Replica]:
+def start_replicas(indices: Sequence[int], model_path: str, engine: EngineConfig, tag: str,
+                   generation: int = 0) -> list[Replica]:
     """Start the engine deployments together (``RayVLLM.start_many``), one client each.
 
     Their starts overlap: N replicas take about as long as one where nodes are
@@ -118,14 +146,13 @@ def start_replicas(indices: Sequence[int], prepared: Prepared, tag: str, generat
     """
     from ..ray_vllm import RayVLLM
 
-    engine = prepared.config.engine
     names = [f"batch-{tag}-r{i}" + (f"-g{generation}" if generation else "") for i in indices]
     for name in names:
         logger.info("starting engine replica %s (tp=%d, pp=%d, %s)", name, engine.tensor_parallel_size,
                     engine.pipeline_parallel_size, engine.placement_strategy)
     started = time.monotonic()
     models = RayVLLM.start_many(
-        prepared.model_path, {name: {} for name in names}, **engine.engine_kwargs,
+        model_path, {name: {} for name in names}, **engine.engine_kwargs,
         **engine.placement.model_dump(exclude_defaults=True), tensor_parallel_size=engine.tensor_parallel_size,
         pipeline_parallel_size=engine.pipeline_parallel_size,
     )

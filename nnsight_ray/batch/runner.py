@@ -15,8 +15,11 @@ The steps, in order:
 5. *Finish*: the manifest, a summary; a ``BatchRunError`` if any shard could not
    be finished (the next run of the same command resumes it).
 
-Ray calls are confined to ``replicas`` and ``BatchRunner._wait``; everything
-else is plain Python over the scheduler and the run folder.
+What differs between the output formats (how a chunk is sent and finished,
+how a shard is written and read back) is asked of the run's format object
+(``formats``), chosen once in preflight. Ray calls are confined to
+``replicas`` and ``BatchRunner._wait``; everything else is plain Python over
+the scheduler and the run folder.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .config import BatchConfig
-from .errors import BatchConfigError, BatchRunError
+from .errors import BatchRunError
 from .preflight import Prepared, prepare
 from .progress import Progress, format_duration
-from .replicas import InFlight, Replica, classify, error_info, part_name, start_replicas, submit_extract, submit_trace
+from .replicas import InFlight, Replica, classify, error_info, start_replicas
 from .scheduler import Chunk, Scheduler, ShardState
 from .shards import ShardPlan, ShardRecord
 
@@ -102,6 +105,7 @@ class BatchRunner:
                  interactive: bool | None = None) -> None:
         self.prepared = prepared
         self.config = prepared.config
+        self.output = prepared.output_format
         self.engines = list(engines or [])
         self.connect = list(connect or [])
         self.stream = stream or sys.stdout
@@ -129,7 +133,7 @@ class BatchRunner:
         prepared = self.prepared
         run_dir = prepared.run_dir
         run_dir.prepare()
-        self.records = run_dir.finished(prepared.plans)
+        self.records = self.output.finished(run_dir, prepared.plans)
         todo = [p for p in prepared.plans if p.index not in self.records]
         skipped_prompts = sum(len(prepared.plans[i].prompts) for i in self.records)
         logger.info("%d prompts in %d shards: %d shards done already, %d to run", len(prepared.prompts),
@@ -143,8 +147,10 @@ class BatchRunner:
                 for name in self.connect:
                     self.replicas.append(Replica(len(self.replicas), RayVLLM.connect(name), owned=False))
                 if not self.replicas:
-                    self.replicas = start_replicas(range(self.config.engine.replicas), prepared, self.tag)
-                self._check_engines()
+                    self.replicas = start_replicas(range(self.config.engine.replicas), prepared.model_path,
+                                                   self.config.engine, self.tag)
+                for replica in self.replicas:
+                    self.output.check_engine(replica.name, replica.model)
                 self.engine_start_s = time.monotonic() - started
                 self._write_manifest(force=True)
                 self._loop(todo, skipped_prompts)
@@ -164,27 +170,15 @@ class BatchRunner:
             shards_skipped=len(prepared.plans) - len(todo), failed_shards=dict(self.failed),
             engine_start_s=self.engine_start_s,
             run_s=self._run_s(),
-            suffix="safetensors" if self.config.activations else "parquet",
+            suffix=self.output.suffix,
             bytes_written=self.bytes_written,
         )
         self._write_manifest(force=True, result=result)
         return result
 
-    def _check_engines(self) -> None:
-        """Activation files are written by RayVLLM's ranks: refuse any other engine up front."""
-        if not self.config.activations:
-            return
-        for replica in self.replicas:
-            if not hasattr(getattr(replica.model, "vllm_entrypoint", None), "extract_async"):
-                raise BatchConfigError(
-                    f"output.format=activations needs RayVLLM engines (their ranks write the files); replica "
-                    f"{replica.name} is a {type(replica.model).__name__}. Use output.format=parquet with it.")
-
     def _loop(self, todo: list[ShardPlan], skipped_prompts: int) -> None:
         runner = self.config.runner
-        # Activations: a chunk is a whole shard, so its rows land in one file per pipeline stage.
-        chunk_size = self.config.output.shard_size if self.config.activations else runner.prompts_per_trace
-        scheduler = Scheduler(todo, chunk_size, runner.shard_retries)
+        scheduler = Scheduler(todo, self.output.chunk_size(), runner.shard_retries)
         progress = Progress(len(self.prepared.prompts), initial=skipped_prompts, interval_s=runner.progress_interval_s,
                             stream=self.stream, interactive=self.interactive)
         sampling = self.config.sampling.model_dump()
@@ -205,11 +199,10 @@ class BatchRunner:
                     entry = in_flight[ref]
                     if entry.replica.in_flight.pop(ref, None) is None:
                         continue  # the replica failed meanwhile; the chunk was requeued
-                    if entry.part is not None:
-                        outcome = self._extracted(entry, outcome)
-                        if isinstance(outcome, InFlight):  # its commits are in flight now
-                            entry.replica.in_flight[outcome.commits[0]] = outcome
-                            continue
+                    outcome = self.output.resolved(entry, outcome)
+                    if isinstance(outcome, InFlight):  # a next phase is in flight now (activations: the commits)
+                        entry.replica.in_flight[outcome.ref] = outcome
+                        continue
                     entry.replica.prompts_in_flight -= len(entry.chunk)
                     self._handle(entry, outcome, scheduler, progress)
                 self._check_timeouts(scheduler)
@@ -228,57 +221,14 @@ class BatchRunner:
             if chunk is None:
                 return
             scheduler.started(chunk, replica.name)
-            part = None
             try:
-                if self.config.activations:
-                    part = part_name(chunk.shard, chunk.positions, len(self.prepared.plans[chunk.shard].prompts))
-                    ref = self._submit_extract(replica, chunk, part, scheduler, sampling)
-                else:
-                    ref = submit_trace(replica.model, scheduler.prompts(chunk), self.prepared.fn, sampling)
+                entry = self.output.submit(self.prepared, replica, chunk, scheduler.prompts(chunk), sampling)
             except Exception as error:
                 # The client could not even build the trace: a request failure of its prompts.
                 self._handle(InFlight(chunk, replica, time.monotonic()), error, scheduler, progress)
                 continue
-            replica.in_flight[ref] = InFlight(chunk, replica, time.monotonic(), part=part)
+            replica.in_flight[entry.ref] = entry
             replica.prompts_in_flight += len(chunk)
-
-    def _submit_extract(self, replica: Replica, chunk: Chunk, part: str, scheduler: Scheduler,
-                        sampling: dict) -> Any:
-        base = chunk.shard * self.config.output.shard_size
-        dtype = None if self.config.output.dtype == "auto" else self.config.output.dtype
-        return submit_extract(replica.model, scheduler.prompts(chunk), part, str(self.prepared.run_dir.path),
-                              [s.location for s in self.config.saves or []], [base + p for p in chunk.positions],
-                              dtype, sampling, self.config.output.generated)
-
-    def _extracted(self, entry: InFlight, outcome: Any) -> InFlight | dict[str, Any] | BaseException:
-        """An activation chunk's next phase: its outputs are back -> the ranks' commits; commits back -> its rows."""
-        import ray
-
-        from .._internal.cluster.ray_errors import get as ray_get
-
-        if entry.commits is None:
-            if isinstance(outcome, BaseException):
-                entry.replica.model.vllm_entrypoint.extract_discard(entry.part)
-                return outcome
-            commits = entry.replica.model.vllm_entrypoint.extract_commit(entry.part, fsync=self.config.output.fsync)
-            return InFlight(entry.chunk, entry.replica, entry.submitted, part=entry.part, commits=commits)
-        if isinstance(outcome, BaseException):
-            return outcome
-        try:
-            written = [w for w in ray_get(entry.commits) if w is not None]
-        except Exception as error:  # a rank died while writing
-            return error if isinstance(error, ray.exceptions.RayError) else RuntimeError(f"writing {entry.part}: {error}")
-        base = entry.chunk.shard * self.config.output.shard_size
-        files = [Path(w["file"]).name for w in written if w.get("file")]
-        rows = []
-        for position in entry.chunk.positions:
-            counts = {w["prompts"].get(base + position) for w in written}
-            if len(counts) == 1 and None not in counts:
-                rows.append({"tokens": counts.pop(), "files": files})
-            else:
-                rows.append(None)  # the ranks hold no rows of it: vLLM never ran it whole
-        self.bytes_written += sum(w.get("bytes", 0) for w in written)
-        return {"rows": rows}
 
     def _wait(self, in_flight: dict[Any, InFlight]) -> list[tuple[Any, Any]]:
         """Resolved refs with their result (``{"saves", "error"}``) or the exception."""
@@ -317,6 +267,7 @@ class BatchRunner:
             rows = [None] * len(chunk)
         entry.replica.served += len(chunk)
         self.prompts_run += len(chunk)
+        self.bytes_written += outcome.get("bytes", 0)
         missing = sum(1 for r in rows if not isinstance(r, dict))
         progress.update(len(chunk), errors=missing)
         self._shard_done(scheduler.succeeded(chunk, rows))
@@ -332,19 +283,12 @@ class BatchRunner:
         if state is None:
             return
         plan = state.plan
-        record = ShardRecord(
-            index=plan.index, file=plan.file, ids=plan.ids, count=len(plan.prompts), errors=state.errors,
+        record = ShardRecord(  # the format names its files
+            index=plan.index, file=None, ids=plan.ids, count=len(plan.prompts), errors=state.errors,
             elapsed_s=round(time.time() - state.started_at, 3), finished_at=time.time(),
             replica=sorted(state.replicas), attempts=1 + len(state.failures),
         )
-        if self.config.activations:
-            rows = [state.rows.get(i) or {} for i in plan.ids]
-            record.files = sorted({name for row in rows for name in (row.get("values") or {}).get("files", [])})
-            record.rows = sum((row.get("values") or {}).get("tokens", 0) for row in rows)
-            self.records[plan.index] = self.prepared.run_dir.write_record(plan, record)
-        else:
-            self.records[plan.index] = self.prepared.run_dir.write_shard(plan, state.rows, self.prepared.columns,
-                                                                         record)
+        self.records[plan.index] = self.output.write_shard(self.prepared.run_dir, state, record, self.prepared.columns)
         self.written += 1
         self._write_manifest()
 
@@ -419,7 +363,7 @@ class BatchRunner:
             "config_file": prepared.config_file,
             "config": prepared.config.model_dump(mode="json"),
             "model_path": prepared.model_path,
-            "columns": self._columns(),
+            "columns": self.output.describe(prepared),
             "versions": _versions(),
             "counts": {
                 "prompts": len(prepared.prompts),
@@ -434,21 +378,6 @@ class BatchRunner:
             "runs": previous_runs + [run],
         }
         prepared.run_dir.write_manifest(manifest, self.records)
-
-    def _columns(self) -> dict[str, Any]:
-        if self.prepared.config.activations:
-            return {"format": "activations", "layout": "token-major safetensors: one [rows, hidden] tensor per "
-                    "location, plus token_ids, prompt_index (row of the prompt file) and position (in the prompt)",
-                    "locations": [s.location for s in self.prepared.config.saves or []],
-                    "dtype": self.prepared.config.output.dtype}
-        if self.prepared.config.intervention:
-            return {"from": f"intervene() in {self.prepared.config.intervention}"}
-        order = [r.name for r in self.prepared.reads]
-        return {
-            s.location: {"tokens": s.tokens, "shape_column": s.location + ".shape",
-                         "read_order": order.index(s.location) if s.location in order else None}
-            for s in self.prepared.config.saves or []
-        }
 
 
 def _versions() -> dict[str, str]:

@@ -1,11 +1,16 @@
 """A run's folder: shard files, ``manifest.json``, ``errors.jsonl``. Pure I/O, no Ray.
 
-Layout of ``output.dir``::
+Layout of ``output.dir`` (``output.format: parquet``)::
 
     shard-00000.parquet   one row per prompt of shard 0 (prompts 0..shard_size-1, file order)
     shard-00001.parquet   ...
     manifest.json         config, versions, replicas' topology, per-shard ids/counts/timings
     errors.jsonl          one line per prompt whose intervention or request failed
+
+With ``output.format: activations`` the ranks write each shard's safetensors
+files (``shard-00000.safetensors``, one per pipeline stage) and this writes the
+shard's record beside them (``shard-00000.json``) once they are complete;
+``formats`` says which of these a run uses.
 
 Shard format (Parquet, written with pyarrow; readable with pyarrow, pandas,
 polars, DuckDB, Spark): columns ``id`` (string), ``prompt`` (string), ``error``
@@ -21,6 +26,9 @@ index, ids, errors, timings, and the digest of the run's inputs. A rerun
 counts a shard finished when its file exists and its record has the same
 digest and ids as the plan; the manifest is rebuilt from those records, so a
 run killed between a shard's rename and the manifest write loses nothing.
+
+Before any of it, ``check_writable`` (preflight) refuses an ``output.dir`` that
+cannot be written, or whose path runs through a file, naming the folder.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import hashlib
 import json
 import os
 import socket
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +46,7 @@ from typing import Any, Iterable, Sequence
 from .errors import BatchConfigError
 from .prompts import Prompt
 
-__all__ = ["ShardPlan", "ShardRecord", "RunDir", "plan_shards", "fingerprint_digest", "to_array"]
+__all__ = ["ShardPlan", "ShardRecord", "RunDir", "check_writable", "plan_shards", "fingerprint_digest", "to_array"]
 
 FORMAT = "nnsight_ray.batch/1"
 METADATA_KEY = b"nnsight_ray"
@@ -74,10 +83,15 @@ def plan_shards(prompts: Sequence[Prompt], shard_size: int) -> list[ShardPlan]:
 
 @dataclass
 class ShardRecord:
-    """What the manifest says about a finished shard (also stored in the shard file)."""
+    """What the manifest says about a finished shard (also stored in the shard file or its record file).
+
+    A record names only files that exist: ``file`` for a Parquet shard;
+    ``files`` (with ``rows`` and per-prompt ``tokens``, in ``ids`` order) for
+    an activation shard. Fields left ``None`` are not written.
+    """
 
     index: int
-    file: str
+    file: str | None  # parquet: the shard's file
     ids: list[str]
     count: int
     errors: list[dict[str, Any]] = field(default_factory=list)
@@ -86,12 +100,39 @@ class ShardRecord:
     replica: list[str] = field(default_factory=list)
     attempts: int = 1
     digest: str = ""
-    files: list[str] = field(default_factory=list)  # activations: the safetensors files the ranks wrote
-    rows: int = 0  # activations: token rows in those files
+    files: list[str] | None = None  # activations: the safetensors files the ranks wrote
+    rows: int | None = None  # activations: token rows in those files
+    tokens: list[int] | None = None  # activations: each prompt's token rows (0: none, it failed)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ShardRecord":
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        return cls(**{"file": None, **{k: data[k] for k in cls.__dataclass_fields__ if k in data}})
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def check_writable(path: Path) -> None:
+    """Refuse (``BatchConfigError``) an ``output.dir`` a run could not write: a file on its path, or no write access.
+
+    Nothing is left behind: the probe is an anonymous temporary file in the
+    folder (or, for a folder still to be created, in its nearest existing parent).
+    """
+    where = str(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "it is a file" if existing == path else f"{str(existing)!r} on its path is a file"
+        raise BatchConfigError(f"output.dir {where!r}: {what}, not a folder; choose another output.dir "
+                               "(--set output.dir=...)")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        place = "cannot write there" if existing == path else f"cannot create it in {str(existing)!r}"
+        raise BatchConfigError(f"output.dir {where!r}: {place} ({type(error).__name__}: {error.strerror or error}); "
+                               "choose a folder you can write (--set output.dir=...)") from None
 
 
 def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
@@ -115,9 +156,8 @@ def to_array(value: Any):
 class RunDir:
     """The run folder: resume checks, atomic shard and manifest writes."""
 
-    def __init__(self, path: str | os.PathLike, fingerprint: dict[str, Any], activations: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, fingerprint: dict[str, Any]) -> None:
         self.path = Path(path)
-        self.activations = activations
         self.fingerprint = fingerprint
         self.digest = fingerprint_digest(fingerprint)
 
@@ -136,6 +176,9 @@ class RunDir:
             return json.loads(self.manifest_path.read_text())
         except FileNotFoundError:
             return None
+        except NotADirectoryError:
+            raise BatchConfigError(f"output.dir {str(self.path)!r}: a file on its path is not a folder; choose "
+                                   "another output.dir (--set output.dir=...)") from None
         except (OSError, ValueError) as error:
             raise BatchConfigError(
                 f"output.dir {str(self.path)!r}: manifest.json is unreadable ({error}); move it away to start over"
@@ -156,7 +199,11 @@ class RunDir:
         )
 
     def prepare(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # checked in preflight; changed since
+            raise BatchConfigError(f"output.dir {str(self.path)!r}: cannot create it ({type(error).__name__}: "
+                                   f"{error.strerror or error})") from None
         for stale in self.path.glob("*.tmp-*"):
             try:
                 stale.unlink()
@@ -164,11 +211,9 @@ class RunDir:
                 pass
 
     def finished(self, plans: Iterable[ShardPlan]) -> dict[int, ShardRecord]:
-        """Shards whose files are complete and belong to this plan."""
+        """Parquet shards whose files are complete and belong to this plan."""
         import pyarrow.parquet as pq
 
-        if self.activations:
-            return self._finished_activations(plans)
         done = {}
         for plan in plans:
             path = self.path / plan.file
@@ -183,7 +228,7 @@ class RunDir:
                 done[plan.index] = record
         return done
 
-    def _finished_activations(self, plans: Iterable[ShardPlan]) -> dict[int, ShardRecord]:
+    def finished_records(self, plans: Iterable[ShardPlan]) -> dict[int, ShardRecord]:
         """Activation shards: a record file (written last, after the ranks' files) whose files are all whole."""
         from .._internal.extract.safetensors_io import safetensors_complete
 
@@ -194,7 +239,8 @@ class RunDir:
             except (OSError, ValueError, TypeError):
                 continue
             if (record.digest == self.digest and record.ids == plan.ids
-                    and all(safetensors_complete(str(self.path / name)) for name in record.files)):
+                    and all(safetensors_complete(str(self.path / name)) for name in record.files or [])):
+                record.file = None  # older records named a Parquet file that never existed
                 done[plan.index] = record
         return done
 
@@ -207,11 +253,11 @@ class RunDir:
         killed run's) are removed, so a folder holds every token row exactly once.
         """
         record.digest = self.digest
-        keep = set(record.files)
+        keep = set(record.files or [])
         for stale in self.path.glob(f"shard-{plan.index:05d}*.safetensors"):
             if stale.name not in keep:
                 stale.unlink(missing_ok=True)
-        text = json.dumps(asdict(record), default=str)
+        text = json.dumps(record.to_json(), default=str)
         self._atomic(self.path / record_file(plan), lambda handle: handle.write(text.encode()))
         return record
 
@@ -245,7 +291,7 @@ class RunDir:
             arrays[name] = pa.array(flat, pa.list_(pa.float32()))
             arrays[name + SHAPE_SUFFIX] = pa.array(shapes, pa.list_(pa.int32()))
         record.digest = self.digest
-        table = pa.table(arrays).replace_schema_metadata({METADATA_KEY: json.dumps(asdict(record))})
+        table = pa.table(arrays).replace_schema_metadata({METADATA_KEY: json.dumps(record.to_json())})
         self._atomic(self.path / plan.file, lambda handle: pq.write_table(table, handle))
         return record
 
@@ -253,7 +299,7 @@ class RunDir:
         """Manifest and errors.jsonl, each atomically; errors are derived from the shard records."""
         ordered = [records[i] for i in sorted(records)]
         manifest = {**manifest, "format": FORMAT, "fingerprint": self.fingerprint,
-                    "fingerprint_digest": self.digest, "shards": [asdict(r) for r in ordered]}
+                    "fingerprint_digest": self.digest, "shards": [r.to_json() for r in ordered]}
         text = json.dumps(manifest, indent=2, default=str) + "\n"
         self._atomic(self.manifest_path, lambda handle: handle.write(text.encode()))
         lines = "".join(

@@ -1,4 +1,4 @@
-"""Submit a batch YAML to a Ray cluster as a Ray job, then follow its log to the end.
+"""``nnsight-ray submit``: a batch YAML submitted to a Ray cluster as a Ray job, its log followed to the end.
 
 The job runs ``python -m nnsight_ray.batch --config <config> [--set ...]`` on
 the cluster (Ray's ``JobSubmissionClient``: the same as ``ray job submit``).
@@ -9,26 +9,28 @@ machine instead of minutes into a job. Exit status: 0 when the job succeeded,
 
 Usage::
 
-    python scripts/submit_batch.py --config RUN.yaml [--address http://HOST:8265]
+    nnsight-ray submit --config RUN.yaml [--address http://HOST:8265]
         [--set key.sub=value ...] [--working-dir DIR | --no-working-dir]
         [--entrypoint-num-cpus N] [--env KEY=VALUE ...] [--python PYTHON]
         [--submission-id ID] [--no-wait]
 
+(``python -m nnsight_ray.cli submit ...`` is the same command.)
+
 Examples::
 
     # the local three-node simulation (cluster_configs/local-multinode.sh), from the repository root:
-    python scripts/submit_batch.py --config cluster_configs/batch-demo.yaml \\
+    nnsight-ray submit --config cluster_configs/batch-demo.yaml \\
         --set output.dir=$PWD/runs/batch-demo --env VLLM_CPU_KVCACHE_SPACE=1
     # a real cluster: paths on shared storage, driver on a GPU worker
-    python scripts/submit_batch.py --address http://head:8265 --config run.yaml --entrypoint-num-cpus 1
+    nnsight-ray submit --address http://head:8265 --config run.yaml --entrypoint-num-cpus 1
     # a config already on the cluster's filesystem, nothing uploaded
-    python scripts/submit_batch.py --no-working-dir --config /shared/run.yaml --no-wait
+    nnsight-ray submit --no-working-dir --config /mnt/shared/run.yaml --no-wait
 
 Paths in the config are read where the job runs: with a working directory
 (default ``.``, uploaded by Ray, ``.gitignore`` respected) relative paths point
 into Ray's temporary copy of it, so keep ``output.dir`` absolute (or on shared
 storage): shards written inside that copy are lost when Ray cleans it up, and a
-resubmission would not find them to resume. This script warns when it is not.
+resubmission would not find them to resume. The command warns when it is not.
 """
 
 from __future__ import annotations
@@ -40,13 +42,14 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
+
+__all__ = ["add_arguments", "main", "run"]
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="batch YAML (relative to the working directory if uploaded)")
     parser.add_argument("--address", default=os.environ.get("RAY_JOB_ADDRESS", "http://127.0.0.1:8265"),
                         help="the cluster's job API (dashboard) address; default $RAY_JOB_ADDRESS or "
@@ -64,12 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--python", default="python", help="interpreter on the cluster (default: python on its PATH)")
     parser.add_argument("--submission-id", help="job id to use (default: Ray picks one)")
     parser.add_argument("--no-wait", action="store_true", help="submit and exit without following the log")
-    return parser.parse_args(argv)
+    return parser
 
 
 def check_config(args: argparse.Namespace) -> str | None:
     """Validate the config locally; returns a warning to print, raises BatchConfigError."""
-    from nnsight_ray.batch.config import load_config
+    from .config import load_config
 
     where = Path(args.config) if args.no_working_dir else Path(args.working_dir) / args.config
     if not where.exists():
@@ -110,9 +113,9 @@ async def follow(client, job_id: str) -> None:
         print(lines, end="", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from nnsight_ray.batch.errors import BatchConfigError
+def run(args: argparse.Namespace) -> int:
+    """Submit (and follow) the job ``args`` describe; the exit status."""
+    from .errors import BatchConfigError
 
     try:
         warning = check_config(args)
@@ -145,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     status = status.split(".")[-1]
     print(f"job {job_id}: {status}", flush=True)
     return 0 if status == "SUCCEEDED" else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nnsight-ray submit", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    return run(add_arguments(parser).parse_args(argv))
 
 
 if __name__ == "__main__":

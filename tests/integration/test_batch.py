@@ -8,7 +8,8 @@
 - an engine dying under the run: its traces are retried elsewhere or its
   shards reported, never dropped;
 - a run killed midway resumes with no duplicates and no gaps;
-- bad inputs fail before any engine starts.
+- bad inputs (an output folder that cannot be written among them) fail before any engine starts;
+- the documented ``--local-cluster`` command, in a fresh process, and ``nnsight-ray submit``.
 
 Engines are the session's (``ray_tp1``, ``ray_tp2``), handed to the runner or
 attached by name (``--connect``), except in the ``ray job submit`` test, whose
@@ -32,7 +33,7 @@ import torch
 import yaml
 
 from conftest import ENGINE_KWARGS, assert_close
-from ray_head import free_ports, stop_processes, submit_batch
+from ray_head import free_ports, nnsight_ray_command, stop_processes, submit_batch
 
 pytestmark = pytest.mark.integration
 
@@ -141,9 +142,22 @@ def test_shards_equal_local_traces_at_tp2(ray_tp2, local_llama, model_dir, tmp_p
     (replica,) = manifest["runs"][-1]["replicas"]
     assert replica["name"] == "tp2" and len({t["node_id"] for t in replica["topology"]}) == 2
     assert (tmp_path / "out" / "errors.jsonl").read_text() == ""
+    # a record names the files that exist, and only those
+    assert all((tmp_path / "out" / s["file"]).exists() and "files" not in s for s in manifest["shards"])
 
     again, _ = run(config, engines=[ray_tp2])
     assert again.prompts_run == 0 and again.shards_skipped == 3 and again.complete
+
+
+def check_records(folder: Path, data: dict, prompts: int) -> None:
+    """Activation records name only files that exist, and say how many token rows each prompt has in them."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        assert "file" not in shard and shard["files"] and all((folder / name).exists() for name in shard["files"])
+        assert len(shard["tokens"]) == len(shard["ids"]) and sum(shard["tokens"]) == shard["rows"]
+    counts = [int((data["prompt_index"] == i).sum()) for i in range(prompts)]
+    assert [n for shard in manifest["shards"] for n in shard["tokens"]] == counts
+    assert sum(s["rows"] for s in manifest["shards"]) == len(data["token_ids"])
 
 
 def read_activations(folder: Path) -> dict[str, "numpy.ndarray"]:
@@ -180,7 +194,7 @@ def test_activation_shards_equal_local_traces_at_tp2(ray_tp2, local_llama, model
             assert_close(torch.from_numpy(data[save["location"]][rows]), reference(local_llama, prompt)[save["location"]])
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["columns"]["format"] == "activations"
-    assert sum(s["rows"] for s in manifest["shards"]) == len(data["token_ids"])
+    check_records(out, data, len(PROMPTS))
 
     again, _ = run(config, engines=[ray_tp2])
     assert again.prompts_run == 0 and again.shards_skipped == 3 and again.complete
@@ -217,8 +231,7 @@ def test_activation_shards_equal_local_traces_at_tp2(ray_tp2, local_llama, model
                 out = local_llama.model.layers[3].output
                 want = (out[0] + out[1]).clone().save()
             assert_close(torch.from_numpy(data["model.layers.3.output"][rows]), want)
-        manifest = json.loads((tmp_path / name / "manifest.json").read_text())
-        assert sum(s["rows"] for s in manifest["shards"]) == len(data["token_ids"])
+        check_records(tmp_path / name, data, 3)  # each prompt's tokens count its generated rows too
 
 
 def test_two_replicas_give_the_same_outputs_as_one(ray_tp1, ray_tp2, model_dir, tmp_path):
@@ -286,14 +299,14 @@ class _DeadEngine:
 def doomed_refs(monkeypatch):
     import ray
 
-    from nnsight_ray.batch import runner
+    from nnsight_ray.batch import formats
 
     @ray.remote(num_cpus=0)
     class Victim:
         def wait(self):
             time.sleep(3600)
 
-    real = runner.submit_trace
+    real = formats.submit_trace
     submitted = []
 
     def submit(model, texts, fn, sampling):
@@ -305,7 +318,7 @@ def doomed_refs(monkeypatch):
             return ref
         return real(model, texts, fn, sampling)
 
-    monkeypatch.setattr(runner, "submit_trace", submit)
+    monkeypatch.setattr(formats, "submit_trace", submit)  # how ParquetRows sends a chunk
     return submitted
 
 
@@ -539,6 +552,151 @@ def test_cli_reports_a_bad_module_path_with_exit_code_2(model_dir, tmp_path):
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "'model.layers' has no submodule '4' (its children: 0, 1, 2, 3)" in done.stderr
     assert "starting engine replica" not in done.stderr and "Connected to Ray" not in done.stderr
+
+
+def unwritable(tmp_path: Path, case: str, monkeypatch) -> tuple[Path, str]:
+    """An ``output.dir`` a run cannot write, and what the error must say of it."""
+    if case == "below a file":
+        (tmp_path / "afile").write_text("not a folder")
+        return tmp_path / "afile" / "out", f"{str(tmp_path / 'afile')!r} on its path is a file, not a folder"
+    if case == "a file":
+        (tmp_path / "out").write_text("not a folder")
+        return tmp_path / "out", "it is a file, not a folder"
+    folder = tmp_path / "out"
+    folder.mkdir()
+    if case == "read-only":
+        folder.chmod(0o500)
+        return folder, "cannot write there (PermissionError"
+    # As root, permission bits stop no write: the probe is refused as the kernel would refuse it.
+    import tempfile
+
+    real = tempfile.TemporaryFile
+
+    def refused(*args, dir=None, **kwargs):
+        if Path(dir or ".") == folder:
+            raise PermissionError(13, "Permission denied")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refused)
+    return folder, "cannot write there (PermissionError: Permission denied)"
+
+
+@pytest.mark.parametrize("case", ["below a file", "a file", "refused", pytest.param("read-only", marks=pytest.mark.skipif(
+    os.geteuid() == 0, reason="as root, permission bits stop no write"))])
+def test_an_output_folder_that_cannot_be_written_fails_before_any_engine_starts(no_engines, model_dir, tmp_path,
+                                                                                monkeypatch, case):
+    from nnsight_ray.batch.errors import BatchConfigError
+
+    folder, needle = unwritable(tmp_path, case, monkeypatch)
+    config = make_config(tmp_path, model_dir, PROMPTS, output={"dir": str(folder)})
+    try:
+        with pytest.raises(BatchConfigError) as error:
+            run(config)
+    finally:
+        if case == "read-only":
+            folder.chmod(0o700)
+    assert f"output.dir {str(folder)!r}: {needle}" in str(error.value)
+    assert "manifest.json" not in str(error.value)
+
+
+def test_check_refuses_an_output_folder_below_a_file_with_exit_code_2(model_dir, tmp_path):
+    """``--check`` says what a run would meet: not "config OK" for a folder below a file."""
+    (tmp_path / "afile").write_text("not a folder")
+    config = make_config(tmp_path, model_dir, PROMPTS, output={"dir": str(tmp_path / "afile" / "out")})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run([sys.executable, "-m", "nnsight_ray.batch", "--config", str(path), "--check"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "config OK" not in done.stdout and "Traceback" not in done.stderr
+    assert f"{str(tmp_path / 'afile')!r} on its path is a file, not a folder" in done.stderr
+    assert str(tmp_path / "afile" / "out") in done.stderr and "manifest.json" not in done.stderr
+
+
+def test_the_output_format_is_chosen_once_from_the_config(model_dir, tmp_path):
+    """One object per output format; the run's fingerprint keys are those it had before there were objects
+    (a folder written then still resumes)."""
+    from nnsight_ray.batch.config import validate
+    from nnsight_ray.batch.formats import ActivationDatasets, ParquetRows, output_format
+
+    parquet = output_format(validate(make_config(tmp_path, model_dir, PROMPTS)))
+    assert isinstance(parquet, ParquetRows) and parquet.suffix == "parquet" and parquet.fingerprint() == {}
+    assert parquet.chunk_size() == 3  # runner.prompts_per_trace
+    activations = output_format(validate(make_config(tmp_path, model_dir, PROMPTS, saves=ACTIVATIONS,
+                                                     output={"format": "activations", "dtype": "float16"},
+                                                     runner={})))
+    assert isinstance(activations, ActivationDatasets) and activations.suffix == "safetensors"
+    assert activations.fingerprint() == {"format": "activations", "dtype": "float16"}
+    assert activations.chunk_size() == 4  # a whole shard
+    generated = output_format(validate(make_config(tmp_path, model_dir, PROMPTS, saves=ACTIVATIONS,
+                                                   sampling={"max_tokens": 3}, runner={},
+                                                   output={"format": "activations", "generated": True})))
+    assert generated.fingerprint() == {"format": "activations", "dtype": "auto", "generated": True}
+
+
+def test_local_cluster_keeps_ray_on_loopback_before_the_preflight_imports_it(monkeypatch, model_dir, tmp_path):
+    """``--local-cluster``: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is in place (and Ray's copy of it, where Ray
+    was imported first) before the preflight, which imports vLLM and with it Ray, runs."""
+    import argparse
+
+    import ray._private.ray_constants as constants
+
+    from nnsight_ray.batch import __main__ as batch_main, preflight
+    from nnsight_ray.batch.errors import BatchConfigError
+
+    seen = {}
+
+    def prepare(config, config_file):
+        seen.update(env=os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"), cluster=constants.ENABLE_RAY_CLUSTER)
+        raise BatchConfigError("stopped before anything starts")
+
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    monkeypatch.setattr(constants, "ENABLE_RAY_CLUSTER", True)  # a Ray imported without the variable
+    monkeypatch.setattr(preflight, "prepare", prepare)
+    monkeypatch.setattr(batch_main, "_logging", lambda verbose: None)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(make_config(tmp_path, model_dir, PROMPTS)))
+    args = batch_main.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--config", str(path), "--local-cluster", "3"])
+    assert batch_main.run_from_args(args) == 2
+    assert seen == {"env": "0", "cluster": False}
+
+
+def test_the_documented_local_cluster_command_runs_in_a_fresh_process(model_dir, tmp_path):
+    """docs/batch.md's first command, ``python -m nnsight_ray.batch --config cluster_configs/batch-demo.yaml
+    --local-cluster 3``, from the repository root in a shell that says nothing of Ray (a fresh clone): it once
+    hung for minutes, its driver dialling the machine's external address. Smaller here (``--set``): the session's
+    checkpoint, four prompts, one rank, the tests' KV cache."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:4])
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    command = [sys.executable, "-m", "nnsight_ray.batch", "--config", "cluster_configs/batch-demo.yaml",
+               "--local-cluster", "3", "--set", f"model.path={model_dir}", "--set", f"prompts.path={prompts}",
+               "--set", f"output.dir={tmp_path / 'out'}", "--set", "engine.tensor_parallel_size=1",
+               "--set", f"engine.engine_kwargs.kv_cache_memory_bytes={ENGINE_KWARGS['kv_cache_memory_bytes']}"]
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"no answer in 420 s: {(error.stderr or b'')[-3000:]!r}")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "batch done: 4 prompts run" in done.stdout
+    assert [r["id"] for r in rows(tmp_path / "out")] == [f"q{i}" for i in range(4)]
+
+
+def test_submit_refuses_a_bad_config_before_contacting_any_cluster(tmp_path):
+    """``nnsight-ray submit`` checks the config here first: exit 2, the key named, no job."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": "m"}, "prompts": {"path": "p.jsonl"},
+                                    "saves": [{"location": "logits"}], "output": {"dir": str(tmp_path / "out")},
+                                    "runner": {"max_in_flihgt": 4}}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(nnsight_ray_command("submit", "--config", str(path), "--no-working-dir",
+                                              "--address", "http://127.0.0.1:9"),
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "max_in_flihgt" in done.stderr and "submitted job" not in done.stdout
 
 
 # --------------------------------------------------------------------------- ray job submit

@@ -1,4 +1,4 @@
-"""scripts/compare_layouts.py, run as users run it, on the session's simulated cluster (four raylets)."""
+"""``nnsight-ray compare-layouts``, run as users run it, on the session's simulated cluster (four raylets)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import ray
 
 pytestmark = pytest.mark.integration
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_layouts.py"
 
 
 def our_actors(prefix: str) -> list[str]:
@@ -30,7 +27,7 @@ def test_pp2_matches_the_running_single_rank_deployment_and_says_where_ranks_ran
     pgs_before = {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", model_dir, "--layouts", "1x2", "--strategies", "STRICT_SPREAD",
+        [sys.executable, "-m", "nnsight_ray.cli", "compare-layouts", "--model", model_dir, "--layouts", "1x2", "--strategies", "STRICT_SPREAD",
          "--reference", "tp1",
          "--engine-arg", "dtype=float32", "--engine-arg", "max_model_len=256",
          "--engine-arg", f"kv_cache_memory_bytes={64 << 20}",
@@ -64,3 +61,17 @@ def test_pp2_matches_the_running_single_rank_deployment_and_says_where_ranks_ran
     pgs_after = {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
     assert pgs_after <= pgs_before
 
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--layouts", "2y1"], "layout '2y1': expected TPxPP"),
+    (["--strategies", "SPREAD,WIDE"], "strategies ['WIDE']: choose from PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"),
+    (["--max-tokens", "0"], "--max-tokens and --local-nodes must be >= 1"),
+])
+def test_bad_arguments_exit_2_before_anything_starts(args, needle, tmp_path):
+    """Checked where they are parsed: no cluster joined or started, no checkpoint built."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", "nnsight_ray.cli", "compare-layouts", *args,
+                           "--workdir", str(tmp_path / "work")], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and needle in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stderr.startswith("usage: nnsight-ray compare-layouts") and not (tmp_path / "work").exists()

@@ -9,21 +9,16 @@ a function, which would run after this module took the name.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import pytest
-
-BENCH_GPU = Path(__file__).resolve().parents[2] / "scripts" / "bench_gpu.py"
 
 
 @pytest.fixture(scope="module")
 def bench_gpu():
-    """``scripts/bench_gpu.py`` loaded as a module (its pure parts: engine arguments, turns, the table)."""
-    spec = importlib.util.spec_from_file_location("bench_gpu_under_test", BENCH_GPU)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``benchmarks.gpu`` (its pure parts: engine arguments, turns, the table), imported from the repository root
+    (pytest's ``pythonpath``)."""
+    return importlib.import_module("benchmarks.gpu")
 
 
 @pytest.fixture(autouse=True)

@@ -1,18 +1,18 @@
-"""``bench_gpu.py --interleave``: every engine's process alive at once, their runs taken in turn (real child
+"""``python -m benchmarks.gpu --interleave``: every engine's process alive at once, their runs taken in turn (real child
 processes speaking the bench's turn protocol; no engine)."""
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
-import importlib.util, sys, time
-spec = importlib.util.spec_from_file_location("bench_gpu_child", {script!r})
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+import sys, time
+import benchmarks.gpu as bench
 folder, tag, runs, log = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 if runs < 0:
     sys.exit(3)  # an engine that fails to start
@@ -29,8 +29,9 @@ for k in range(runs):
 
 def test_runs_alternate_one_at_a_time_and_a_failed_or_shorter_engine_does_not_hold_the_others(bench_gpu, tmp_path):
     log = tmp_path / "log"
-    code = CHILD.format(script=bench_gpu.__file__)
-    children = [(tag, [sys.executable, "-c", code, str(tmp_path), tag, str(runs), str(log)], dict(os.environ), None)
+    code = CHILD.format()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    children = [(tag, [sys.executable, "-c", code, str(tmp_path), tag, str(runs), str(log)], env, None)
                 for tag, runs in (("e0", 3), ("bad", -1), ("e1", 2))]
     codes = bench_gpu.interleave(children, tmp_path, deadline_s=60)
     assert codes == {"e0": 0, "bad": 3, "e1": 0}

@@ -11,8 +11,8 @@ import pytest
 @pytest.mark.parametrize("kernel_profile", ["", "/tmp/kp"])
 def test_the_kv_cache_is_sized_by_platform_whether_or_not_a_kernel_profile_is_asked(bench_gpu, on_gpu, kernel_profile):
     """A GPU engine sizes its KV cache by ``gpu_memory_utilization``, a CPU engine gets 256 MiB; asking for a
-    kernel profile only adds vLLM's profiler config (session 15 ran two GPU benches with a 256 MiB cache
-    because the profiler's branch had taken the CPU's ``else``)."""
+    kernel profile only adds vLLM's profiler config (two GPU benches once ran with a 256 MiB cache because the
+    profiler's branch had taken the CPU's ``else``)."""
     args = SimpleNamespace(dtype="bfloat16", extract_len=256, on_gpu=on_gpu, gpu_memory_utilization=0.5,
                            kernel_profile=kernel_profile)
     kwargs = bench_gpu.Bench.engine_kwargs(SimpleNamespace(args=args, engine="ray"))

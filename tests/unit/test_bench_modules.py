@@ -1,0 +1,78 @@
+"""The benchmarks are a package, each run as ``python -m benchmarks.<name>`` from the repository root."""
+from __future__ import annotations
+
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import benchmarks
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name != "results")
+
+
+def test_every_benchmark_imports_as_a_module_and_says_how_it_runs(tmp_path):
+    """Imported in a fresh process (their module-level settings stay out of this one), from another folder."""
+    assert {"gpu", "attach", "batch", "payloads", "pipeline", "ray_engine", "serve", "submit", "trace_overhead",
+            "nnsight_suite"} <= set(MODULES)
+    code = ("import importlib, sys\n"
+            "for name in sys.argv[1:]:\n"
+            "    doc = importlib.import_module('benchmarks.' + name).__doc__ or ''\n"
+            "    assert 'python -m benchmarks.' + name in doc and 'scripts/' not in doc, name\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-c", code, *MODULES], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_gpu_benchmark_runs_as_a_module(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: python -m benchmarks.gpu"), done.stderr[-2000:]
+
+
+def test_a_gpu_bench_child_runs_this_checkouts_benchmark_with_its_trees_nnsight_ray(bench_gpu, tmp_path):
+    """``--tree old=DIR``: the child runs in DIR with DIR first on its path, so its ``nnsight_ray`` is DIR's,
+    while the benchmark (which an older tree may not have) is this checkout's."""
+    from benchmarks.gpu import cli
+
+    (tmp_path / "nnsight_ray").mkdir()
+    (tmp_path / "nnsight_ray" / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    command = cli.child_command()
+    assert command[:2] == [sys.executable, "-c"]
+    done = subprocess.run(command + ["--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--engines" in done.stdout, done.stderr[-2000:]
+    probe = command[2].replace("sys.exit(cli.main(sys.argv[1:]))",
+                               "import benchmarks, nnsight_ray; print(benchmarks.__file__); print(nnsight_ray.__file__)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    bench_file, nnsight_ray_file = done.stdout.split()
+    assert Path(bench_file) == ROOT / "benchmarks" / "__init__.py"
+    assert Path(nnsight_ray_file) == tmp_path / "nnsight_ray" / "__init__.py"
+
+
+def test_nnsight_suite_asks_for_an_nnsight_clone(monkeypatch, capsys):
+    """No machine's path as a default: ``--nnsight-repo`` or ``NNSIGHT_REPO``."""
+    from benchmarks import nnsight_suite
+
+    monkeypatch.delenv("NNSIGHT_REPO", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        nnsight_suite.main([])
+    assert exit_.value.code == 2 and "--nnsight-repo" in capsys.readouterr().err
+    assert nnsight_suite.PLUGIN == "benchmarks.nnsight_suite"
+
+
+def test_nnsight_suite_loads_as_a_pytest_plugin(tmp_path):
+    """Each target's pytest process takes it as ``-p benchmarks.nnsight_suite`` (the repository on its path)."""
+    (tmp_path / "test_empty.py").write_text("def test_nothing():\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NNSIGHT_SUITE_TARGET": "local"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "benchmarks.nnsight_suite", "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), "-q", str(tmp_path / "test_empty.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
