@@ -122,3 +122,32 @@ def test_an_in_process_engine_stops_a_spinning_block_too(local_llama, reference)
     assert time.monotonic() - began < BUDGET_S + 5
     assert_close(hidden(local_llama, GOOD[1]), reference[1])
     assert request_counts(local_llama) == [0]
+
+
+def test_a_block_stuck_past_its_grace_fail_stops_the_engine_telling_every_waiter_why(ray_cluster, model_dir):
+    """A block in code that never returns to Python (here a 60 s sleep; a long C call alike) cannot be stopped:
+    after ``block_stop_grace_s`` its rank ends itself, and every waiter gets the engine's death with the reason."""
+    from conftest import ENGINE_KWARGS
+    from nnsight_ray import RayVLLM
+    from nnsight_ray.errors import EngineDeadError
+
+    model = RayVLLM(model_dir, name="stuck", block_stop_grace_s=2.0, **ENGINE_KWARGS)
+    try:
+        began = time.monotonic()
+        with model.trace("A stuck tenant", temperature=0.0, max_tokens=2, blocking=False,
+                         block_timeout_s=BUDGET_S) as stuck:
+            first = model.model.layers[0].output[0].save()  # noqa: F841
+            import time as clock
+
+            clock.sleep(60)
+        time.sleep(0.3)
+        neighbour = hidden(model, GOOD[0], blocking=False)
+        for tracer in (neighbour, stuck):
+            with pytest.raises(EngineDeadError) as dead:
+                tracer.collect(timeout=60)
+            assert "did not stop" in str(dead.value) and "block_stop_grace_s=2" in str(dead.value)
+        assert time.monotonic() - began < BUDGET_S + 2.0 + 10
+        with pytest.raises(EngineDeadError, match="did not stop"):
+            hidden(model, GOOD[1])  # every later call fails at once, with the same message
+    finally:
+        model.shutdown()

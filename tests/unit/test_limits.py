@@ -170,3 +170,29 @@ def test_saves_over_the_byte_limit_fail_their_request_only_and_send_nothing():
     assert big_entry["error"]["type_name"] == "MemoryError"
     assert "max_save_bytes=1,000" in big_entry["error"]["message"]
     assert collected["small"]["error"] is None and collected["small"]["saves"]["h"].numel() == 10
+
+
+def test_a_block_that_does_not_stop_within_the_grace_stops_its_rank_with_the_reason(monkeypatch):
+    """Stuck in one C call: the stop is sent but never lands; after ``block_stop_grace_s`` the rank is ended."""
+    ended = []
+    monkeypatch.setattr(limits, "_exit_rank", ended.append)
+    dog = limits.Watchdog()
+    block = Block(spin)
+    limit(block, Limits.of({"block_timeout_s": 1, "block_stop_grace_s": 2}), "req-9")
+    switch = limits.Switch(block, thread_id=-1, started=0.0, budget_s=1.0, why="per switch")
+    dog.running[id(switch)] = switch
+    monkeypatch.setattr(limits, "_raise_in", lambda thread_id, exception: None)  # it never lands
+    assert dog.check(now=1.5) == [switch] and switch.sent
+    dog.check(now=3.0)
+    assert not ended  # within the grace
+    dog.check(now=3.6)
+    assert len(ended) == 1 and "request req-9" in ended[0] and "block_stop_grace_s=2" in ended[0]
+    assert not dog.sent
+
+
+def test_the_death_message_uses_an_actors_last_words():
+    from nnsight_ray._internal.cluster.liveness import death_cause
+
+    gcs = {"DeathCause": None, "LastWords": "the intervention block of request r ran past its budget\n(1 s)"}
+    assert death_cause(gcs) == "the intervention block of request r ran past its budget (1 s)"
+    assert death_cause({"DeathCause": None}) == ""

@@ -112,8 +112,15 @@ def rank_records(topology: list[dict[str, Any]]) -> list[ActorRecord]:
             for t in sorted(topology, key=lambda t: t["rank"])]
 
 
+def last_words_key(actor_id: str) -> str:
+    """Where an actor that ends itself on purpose leaves its reason (Ray's internal KV, ``NAMESPACE``)."""
+    return f"last_words/{actor_id}"
+
+
 def death_cause(entry: dict[str, Any]) -> str:
-    """The GCS's reason for an actor's death, in one line (empty if it gives none)."""
+    """Why an actor died, in one line: its own last words if it left any, else the GCS's reason (or empty)."""
+    if entry.get("LastWords"):
+        return " ".join(str(entry["LastWords"]).split())
     cause = entry.get("DeathCause")
     context = getattr(cause, "actor_died_error_context", None)
     message = getattr(context, "error_message", "") if context is not None else ""

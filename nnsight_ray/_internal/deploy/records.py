@@ -13,8 +13,8 @@ from typing import Any
 
 import ray
 
-from ..cluster.liveness import Cluster
-from ..cluster.placement import PlacementPlan
+from ..cluster.liveness import Cluster, last_words_key
+from ..cluster.placement import NAMESPACE, PlacementPlan
 
 
 # Environment the engine actor (and the engine-core process and ranks it
@@ -49,7 +49,15 @@ def gcs_actor_entry(actor_id: str) -> dict[str, Any] | None:
     """
     import ray._private.state as ray_state
 
-    return ray_state.actors(actor_id=actor_id) or None
+    entry = ray_state.actors(actor_id=actor_id) or None
+    if entry and entry.get("State") == "DEAD":
+        # A rank that stopped itself on purpose (a block stuck past its grace: ranks/limits.py) left its reason.
+        from ray.experimental import internal_kv
+
+        words = internal_kv._internal_kv_get(last_words_key(actor_id), namespace=NAMESPACE)
+        if words:
+            entry = {**entry, "LastWords": words.decode(errors="replace")}
+    return entry
 
 
 def alive_nodes() -> set[str]:

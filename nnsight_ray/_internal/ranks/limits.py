@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -49,7 +50,7 @@ from ..blocks.classes import extend
 logger = logging.getLogger(__name__)
 
 LIMITS_KEY = "nnsight_ray_limits"  # in vLLM's additional_config (the engine's) and a request's extra_args
-ENGINE_KEYS = ("block_timeout_s", "block_total_timeout_s", "max_block_timeout_s", "max_save_bytes")
+ENGINE_KEYS = ("block_timeout_s", "block_total_timeout_s", "max_block_timeout_s", "max_save_bytes", "block_stop_grace_s")
 REQUEST_KEYS = ("block_timeout_s", "block_total_timeout_s")
 WATCH_PERIOD_S = 0.02
 
@@ -66,6 +67,7 @@ class Limits:
     block_total_timeout_s: float = 300.0
     max_block_timeout_s: float = 600.0
     max_save_bytes: int = 4 << 30
+    block_stop_grace_s: float = 30.0
 
     @classmethod
     def of(cls, values: dict[str, Any] | None) -> "Limits":
@@ -139,6 +141,7 @@ class Watchdog:
     def __init__(self, period_s: float = WATCH_PERIOD_S) -> None:
         self.period_s = period_s
         self.running: dict[int, Switch] = {}  # id(switch) -> switch; claimed by one atomic pop
+        self.sent: dict[int, tuple[Switch, float]] = {}  # stops sent and not yet received, with when
         self.stopped = 0
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -166,10 +169,28 @@ class Watchdog:
             if self.running.pop(key, None) is None:  # the block parked first: it is the model side's
                 continue
             switch.sent = True  # before the stop can arrive: the block's side reads it to know the stop is its own
+            self.sent[key] = (switch, now)
             _raise_in(switch.thread_id, BlockStopped)
             self.stopped += 1
             stopped.append(switch)
+        for key, (switch, sent_at) in list(self.sent.items()):
+            if switch.accounted:
+                self.sent.pop(key, None)
+            elif now - sent_at > switch.mediator.nnsight_ray_limits.block_stop_grace_s:
+                self.sent.pop(key, None)
+                self.give_up(switch, now - sent_at)
         return stopped
+
+    def give_up(self, switch: Switch, waited: float) -> None:
+        """A block that does not stop (one C call that never returns to Python): stop this rank, so every waiter is told."""
+        mediator = switch.mediator
+        limits = mediator.nnsight_ray_limits
+        reason = (f"the intervention block of request {mediator.nnsight_ray_request} ran past its budget "
+                  f"({switch.budget_s:g} s {switch.why}) and did not stop {waited:.0f} s after it was told to "
+                  f"(block_stop_grace_s={limits.block_stop_grace_s:g}): it is stuck in code that cannot be "
+                  f"interrupted, such as one long C call; this rank was stopped so that every request is told")
+        logger.critical("block watchdog: %s", reason)
+        _exit_rank(reason)
 
 
 def _raise_in(thread_id: int, exception: type[BaseException]) -> None:
@@ -177,6 +198,26 @@ def _raise_in(thread_id: int, exception: type[BaseException]) -> None:
     done = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exception))
     if done != 1:
         logger.error("block watchdog: could not stop thread %s (%s threads matched)", thread_id, done)
+
+
+def _exit_rank(reason: str) -> None:
+    """End this process, leaving ``reason`` where the engine's death message reads it (``liveness.death_cause``)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            from ray.experimental import internal_kv
+
+            from ..cluster.liveness import last_words_key
+            from ..cluster.placement import NAMESPACE
+
+            actor_id = ray.get_runtime_context().get_actor_id()
+            if actor_id:
+                internal_kv._internal_kv_put(last_words_key(actor_id), reason.encode(), overwrite=True,
+                                             namespace=NAMESPACE)
+    except Exception:
+        logger.exception("block watchdog: could not leave the reason for the engine; exiting anyway")
+    os._exit(1)
 
 
 WATCHDOG = Watchdog()
