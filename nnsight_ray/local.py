@@ -164,7 +164,7 @@ class LocalVLLM(VLLM):
         """Stop the engine (its core process, any Ray rank actors) and free what it reserved.
 
         With ``distributed_executor_backend="ray"`` the ranks' placement group
-        is reserved in this process (see ``ray_executor.configure_engine_kwargs``), so it
+        is reserved in this process (see ``ranks/executor.py``'s ``configure_engine_kwargs``), so it
         outlives the engine core unless released here. Safe to call twice.
         """
         from ._internal.cluster.placement import release_placement_group

@@ -10,7 +10,7 @@ layers returning ``(hidden, residual)`` in vLLM) and ``gpt2``
 (``transformer.h[i]``, returning the hidden state alone). Both keep
 ``head_dim = 64``: vLLM's CPU attention kernels refuse smaller heads. ``gpt2-12``
 (``SUITE_ARCHITECTURES``) is GPT-2 small's tree and 50257-id vocabulary at
-hidden 128, for nnsight's own vLLM test file (``scripts/nnsight_suite.py``).
+hidden 128, for nnsight's own vLLM test file (``python -m benchmarks.nnsight_suite``).
 
 Usage::
 
@@ -72,7 +72,7 @@ ARCHITECTURES: dict[str, ModelSpec] = {
     # rank one head.
     "llama": ModelSpec("llama", hidden_size=128, num_layers=4, num_heads=2, num_kv_heads=2, intermediate_size=256),
     "gpt2": ModelSpec("gpt2", hidden_size=128, num_layers=4, num_heads=2, num_kv_heads=2, intermediate_size=512),
-    # The GPU benchmark's model (scripts/bench_gpu.py): a random 1.2B Llama, written in bf16 (2.4 GB).
+    # The GPU benchmark's model (python -m benchmarks.gpu): a random 1.2B Llama, written in bf16 (2.4 GB).
     "llama-1b": ModelSpec("llama", hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8,
                           intermediate_size=5632, max_positions=2048, vocab_size=32000, init_std=0.02,
                           dtype="bfloat16"),
@@ -81,7 +81,7 @@ ARCHITECTURES: dict[str, ModelSpec] = {
 #: Checkpoints for foreign test suites, outside ``ARCHITECTURES`` (whose tiny entries promise one token per
 #: character); ``build_model`` and the CLI take both. ``gpt2-12``: GPT-2 small's module tree and vocabulary
 #: (12 layers, c_fc width 3072, 50257 ids) at hidden 128, what nnsight's own tests/test_vllm.py indexes and
-#: asserts (scripts/nnsight_suite.py); 66 MB, ~40 s to build.
+#: asserts (python -m benchmarks.nnsight_suite); 66 MB, ~40 s to build.
 SUITE_ARCHITECTURES: dict[str, ModelSpec] = {
     "gpt2-12": ModelSpec("gpt2", hidden_size=128, num_layers=12, num_heads=2, num_kv_heads=2,
                          intermediate_size=3072, max_positions=1024, vocab_size=50257, tokenizer="gpt2-bytes"),

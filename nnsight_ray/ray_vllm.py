@@ -482,7 +482,7 @@ class RayVLLM(LocalVLLM):
         """What the engine did from ``since`` (``time.monotonic()`` on the engine's host) on: the engine
         actor's submits, adds and request ends, each rank's steps (start, tokens, end), the merge actors'
         fetches and hand-backs, and this process's attaches and sends (``caller``); a diagnostic
-        (``_internal/observe/timeline.py``; ``scripts/bench_gpu.py`` prints one line per workload)."""
+        (``_internal/observe/timeline.py``; ``python -m benchmarks.gpu`` prints one line per workload)."""
         return self.vllm_entrypoint.timeline(since)
 
     def request_counts(self) -> list[int]:

@@ -5,7 +5,7 @@ and pushes the saves into the caller's frame before ``with`` exits. A
 ``RayRefBackend`` does the first half the same way (``VLLMTracer.prepare``,
 then nnsight's own ``_attach_mediators``), submits the requests to the
 deployment and returns at once; the merge actor assembles the trace's
-``{name: value}`` with nnsight's ``VLLM._collect`` (``merge.trace_saves``).
+``{name: value}`` with nnsight's ``VLLM._collect`` (``merge.book.trace_saves``).
 
 * ``tracer.ref``: an ``ObjectRef`` to ``{name: value}``. Pass it to tasks and
   actors like any ref. When an intervention raised, ``ray.get`` raises Ray's

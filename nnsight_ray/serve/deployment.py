@@ -174,7 +174,7 @@ class NNsightDeployment:
         # What vLLM's own API server does once it is up: the startup heap (torch, vLLM, nnsight, Ray, the
         # engine's client) goes to a generation the collector never scans again. A replica hands every
         # request's saved values on; without this, when they pushed a full collection, it scanned the
-        # whole heap with the event loop stopped (~0.35 s on the 2-core machine, caller gc in bench_gpu.py).
+        # whole heap with the event loop stopped (~0.35 s on the 2-core machine, caller gc in python -m benchmarks.gpu).
         from vllm.utils.gc_utils import freeze_gc_heap
 
         freeze_gc_heap()

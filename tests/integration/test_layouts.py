@@ -244,7 +244,7 @@ def test_extraction_files_equal_single_device(engine, reference, tmp_path):
     again = [w for w in ray.get(model.vllm_entrypoint.extract_commit("part-x")) if w is not None]
     assert all(w["rows"] == 0 and w["file"] is None for w in again)
     # and every rank says so: no part held, nothing being written, no host buffer of rows left mapped
-    # (the gauge bench_gpu.py prints)
+    # (the gauge python -m benchmarks.gpu prints)
     held = model.vllm_entrypoint.collective_rpc("nnsight_ray_extract_memory")
     assert len(held) == pp * LAYOUTS[name].get("tensor_parallel_size", 1), held
     assert all(h["parts"] == 0 and h["writing"] == 0 and h["host_mb"] == 0 for h in held), held
@@ -469,7 +469,7 @@ def test_several_prompts_in_one_trace(pp, ref):
 
 
 # ``tracer.cache()`` across stages: each stage's ``Cache`` records the modules that ran there; the merge
-# actor unions them (``merge.merge_caches``). On the layouts' engines (a PP=2 engine of its own cost the
+# actor unions them (``merge.book.merge_caches``). On the layouts' engines (a PP=2 engine of its own cost the
 # suite one engine start).
 cached_layouts = pytest.mark.parametrize("engine", ["pp2", "tp2pp2"], indirect=True, scope="module")
 

@@ -89,7 +89,7 @@ def test_nnsight_keywords_are_taken_and_prefix_caching_is_off_by_default(ray_tp1
 def test_a_call_on_an_idle_engine_starts_in_one_step_and_the_scheduler_goes_on(ray_tp1):
     """An idle engine holds vLLM's scheduler while a call's requests are added (``EngineCore._hold``):
     the call's first step prefills every prompt (unheld, the core stepped on the first arrivals:
-    ``scripts/bench_gpu.py --cpu`` showed a first step of 30 tokens of 2,550), and the scheduler runs
+    ``python -m benchmarks.gpu --cpu`` showed a first step of 30 tokens of 2,550), and the scheduler runs
     again after (a second call finishes)."""
     from nnsight_ray._internal.observe.timeline import STEP
 

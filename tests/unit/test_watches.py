@@ -1,5 +1,5 @@
 """The actors' logic classes with fakes (no Ray): ``liveness.DeathWatch`` (the engine actor's),
-``liveness.EngineWatch`` (a merge actor's), ``options.RankReservation``, ``engine.engine_args``.
+``liveness.EngineWatch`` (a merge actor's), ``placement.RankReservation``, ``engine.core.engine_args``.
 
 The GCS actor table is a dict, the node list a set, vLLM's engine-core
 processes ``SimpleNamespace(pid, exitcode)``, the engine actor's ping a

@@ -21,7 +21,8 @@ before, for servers that know nothing of these ids.
 By value still, where the rank's tree is not the client's: a pipeline stage
 (its tree lacks the other stages' submodules) and a client built with its own
 ``rename=`` or ``envoys=``; and everywhere with ``NNSIGHT_RAY_ENVOY_REFS=0``
-(read per trace: for comparisons, see ``scripts/bench_gpu.py --parts byvalue``).
+(read per trace: ``python -m benchmarks.gpu --engines ray,ray%byvalue --env byvalue=NNSIGHT_RAY_ENVOY_REFS=0``
+compares them; ``python -m benchmarks.attach --envoys-by-value`` times the caller's part).
 Concurrent attaches from several threads share the
 tags under one lock, so a tag is never removed under another thread's pickle.
 """

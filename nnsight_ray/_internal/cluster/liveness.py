@@ -412,7 +412,7 @@ class DeathWatch:
 class EngineWatch:
     """A merge actor's watch: the engine actor's death, and the message for a failure seen here first.
 
-    ``book`` is the merge actor's ``merge.MergeBook`` (``dead``, ``fail``,
+    ``book`` is the merge actor's ``merge.book.MergeBook`` (``dead``, ``fail``,
     ``death``); ``ping()`` asks the engine actor whether it answers, and
     raises one of ``gone`` once it is dead (Ray's ``RayActorError``).
     """

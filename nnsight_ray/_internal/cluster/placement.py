@@ -11,9 +11,9 @@ reserved (or the caller's, checked). The plan is the only thing that rides
 the executor, which vLLM builds inside its engine-core process from the
 ``VllmConfig`` alone, and which only reads it.
 
-No import of the executor here: the executor module (``ray_executor``)
+No import of the executor here: the executor module (``ranks/executor.py``)
 imports this one and sets itself as vLLM's backend
-(``ray_executor.configure_engine_kwargs``).
+(``ranks/executor.py``'s ``configure_engine_kwargs``).
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def connect_ray(address: str | None = None) -> str:
                 f"RAY_ADDRESS={address!r}: nnsight_ray runs on a cluster node (or a Ray job) and joins "
                 "through the GCS address (host:6379, or 'auto'); Ray Client (ray://) and the dashboard "
                 "address (http://) cannot host the engine core's rank actors. Submit a Ray job instead "
-                "(scripts/submit_batch.py, `ray job submit`)."
+                "(`nnsight-ray submit`, `ray job submit`)."
             )
         if address:
             ray.init(address=address, namespace=NAMESPACE)

@@ -52,7 +52,7 @@ def _import_rank_class() -> None:
 class MergeActor:
     """Takes each finished request's payloads from every rank, merges, resolves callers.
 
-    A shell over ``merge.MergeBook`` (groups, waiting, expiry) and
+    A shell over ``merge.book.MergeBook`` (groups, waiting, expiry) and
     ``liveness.EngineWatch`` (it watches the engine actor, so a caller waiting
     here learns of the engine actor's death within seconds).
     """
@@ -175,7 +175,7 @@ class MergeActor:
 class EngineActor:
     """The driver actor: vLLM's AsyncLLM on nnsight_ray's Ray rank executor.
 
-    A shell: ``engine.EngineCore`` runs the engine, ``engine.engine_args``
+    A shell: ``engine.core.EngineCore`` runs the engine, ``engine.core.engine_args``
     decides its start-up, and ``liveness.DeathWatch`` watches every actor of
     the deployment and vLLM's engine-core process; this class wires Ray to them.
     """

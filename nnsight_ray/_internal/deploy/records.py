@@ -43,7 +43,7 @@ def gcs_actor_entry(actor_id: str) -> dict[str, Any] | None:
 
     Ray's private ``ray._private.state.actors`` (Ray 2.60.0), kept on purpose:
     the public ``ray.util.state.get_actor`` asks the dashboard's state API
-    (clusters started by ``options.connect_ray`` run without a dashboard) and
+    (clusters started by ``placement.connect_ray`` run without a dashboard) and
     its ``ActorState`` carries no end time, which is what tells the first rank
     to die from the ones vLLM stopped after it (``liveness.first_dead``).
     """

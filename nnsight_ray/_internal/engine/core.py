@@ -11,7 +11,7 @@ what nnsight's ``NNsightLLMEngine.step`` adds in-process, distributed:
 2. *Collect.* Every finished request (traced or not: registered blocks run on
    requests nnsight never made) is collected on every rank. Requests finishing
    close together share one ``collective_rpc("nnsight_ray_stash")``; each rank
-   keeps its payload locally (see ``rank_worker``).
+   keeps its payload locally (see ``ranks/rpcs.py``).
 3. *Hand off.* The engine tells the merge actor which requests are done and
    moves on. It never waits for a payload to move or merge, and never holds one.
 
@@ -133,7 +133,7 @@ SHUTDOWN_AFTER_DEATH_S = 0.5
 
 # "1" (the default): an idle engine's scheduler is held (vLLM's ``pause_scheduler``, mode "keep") while a
 # call's first render batch is added, so its requests start in one step (``EngineCore._hold``); "0": not held
-# (``scripts/bench_gpu.py --engines ray,ray%nohold --env nohold=NNSIGHT_RAY_HOLD_ADDS=0`` compares them).
+# (``python -m benchmarks.gpu --engines ray,ray%nohold --env nohold=NNSIGHT_RAY_HOLD_ADDS=0`` compares them).
 HOLD_ADDS = os.environ.get("NNSIGHT_RAY_HOLD_ADDS", "1") == "1"
 
 
@@ -203,7 +203,7 @@ class EngineCore:
         wave sat parked while the others ran. Rendered all at once, a call of
         2,048 prompts of 256 tokens added its first request after all were
         tokenized: 0.56-0.85 s on the 2-core machine, 13-20 ms in batches
-        (``scripts/bench_submit.py``). A call that fits in one step renders as one
+        (``python -m benchmarks.submit``). A call that fits in one step renders as one
         batch; a longer one in batches growing from an eighth of a step to a step
         (``render_batches``).
         A batch that does not render (a prompt vLLM refuses) goes request by

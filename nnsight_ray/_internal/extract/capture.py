@@ -9,7 +9,7 @@ block to serialize, compile and run; per value, a pickle at every hop.
 Here no request carries a block. A request asks for extraction in its
 ``SamplingParams.extra_args`` (``KEY``: the part file it belongs to, its
 prompt index, the locations, the dtype), so it is a plain request to vLLM and
-to the engine loop (nothing to collect: ``engine.carries_block`` is False).
+to the engine loop (nothing to collect: ``engine.core.carries_block`` is False).
 On the rank:
 
 1. ``ExtractRunnerMixin._update_states``: when a step schedules new requests
@@ -19,7 +19,7 @@ On the rank:
    Steps with none cost a scan of the step's new requests. A request that asks
    for its generated tokens too (``generated``) has its row noted at every
    step it runs after that, its token read from the forward's own input ids;
-   those rows are kept per step and sorted at the commit (``extract_rows``).
+   those rows are kept per step and sorted at the commit (``extract/rows.py``).
 2. A PyTorch forward hook on each asked module (installed once, inert when no
    step is capturing) takes those rows of the module's output as one copy
    (a span's view copied when the step's captured rows are contiguous, as in a

@@ -379,7 +379,7 @@ class Staging:
             ring.give(step)
 
     def gauge(self) -> dict[str, Any]:
-        """The memory gauge's part (``extract.memory``): the mode when not the default, the ring, the pool."""
+        """The memory gauge's part (``extract.capture.memory``): the mode when not the default, the ring, the pool."""
         found: dict[str, Any] = {} if self.mode == STAGINGS[0] else {"staging": self.mode}
         ring, slabs = self.ring, self.slabs
         if ring is not None:

@@ -1,6 +1,6 @@
 """Merge each finished request's per-rank payloads and hand results to callers.
 
-Pure logic (no Ray calls): ``MergeActor`` in ``deploy.py`` is a shell over
+Pure logic (no Ray calls): ``MergeActor`` in ``deploy/actors.py`` is a shell over
 ``MergeBook`` (groups, waiting, expiry, death), which it feeds with what it
 takes from the ranks. The
 semantics are nnsight's own, applied to payloads that come from separate
@@ -86,7 +86,7 @@ class MergeBook:
 
     def arrive(self, reports: list[Any], per_rank: list[list[bytes | None]],
                failure: BaseException | None = None) -> None:
-        """Merge finished requests (``engine.Report``s); ``per_rank[r][i]``: rank r's payload of report i."""
+        """Merge finished requests (``engine.core.Report``s); ``per_rank[r][i]``: rank r's payload of report i."""
         now = time.monotonic()
         for position, report in enumerate(reports):
             payloads = [taken[position] for taken in per_rank]

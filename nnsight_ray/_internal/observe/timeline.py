@@ -2,7 +2,7 @@
 
 Every process keeps its last ``SIZE`` events, stamped with ``time.monotonic()``
 (the same clock in every process of a host), so a run's timeline can be put
-together afterwards (``RayVLLM.timeline``; ``scripts/bench_gpu.py`` prints one
+together afterwards (``RayVLLM.timeline``; ``python -m benchmarks.gpu`` prints one
 line per workload): how long the GPU waited for its first step, how many steps
 ran part-empty, the gaps between steps, how long results took to come home.
 Recording is a ``deque.append`` per step and per request.

@@ -43,7 +43,7 @@ from .mixins import RUNNER_MIXINS
 class NNsightCPUModelRunner(*RUNNER_MIXINS, NNsightGPUModelRunner, StageForwardMixin, CPUModelRunner):
     """nnsight's runner over vLLM's CPU runner, pipeline-stage aware.
 
-    MRO: ``RUNNER_MIXINS`` (``runner_mixins``; ``StageRunnerMixin`` first) wrap nnsight's ``load_model``,
+    MRO: ``RUNNER_MIXINS`` (``ranks/mixins.py``; ``StageRunnerMixin`` first) wrap nnsight's ``load_model``,
     ``_update_states`` and ``collect_nnsight``; ``StageForwardMixin`` sits
     below nnsight's ``execute_model`` so it runs inside nnsight's
     ``with interleaver:``, around vLLM's forward.
@@ -96,7 +96,7 @@ class NNsightCPUWorker(RankRPCMixin, CPUWorker, NNsightGPUWorker):
         """vLLM's CPU warm-up, then what vLLM's GPU worker does after its own and its CPU worker does not
         (vLLM 0.32): freeze the startup heap (vLLM's ``freeze_gc_heap``), so a full collection no longer
         scans torch's, vLLM's and the model's objects. Unfrozen, one took 369 ms of a rank's every-step
-        run on the 2-core machine (``bench_gpu.py --cpu``'s slowest-run timeline, "rank gc")."""
+        run on the 2-core machine (``python -m benchmarks.gpu --cpu``'s slowest-run timeline, "rank gc")."""
         from vllm.utils.gc_utils import freeze_gc_heap
 
         times = CPUWorker.compile_or_warm_up_model(self)

@@ -20,7 +20,7 @@ strategy placed; and its actor class and actor names are fixed inside
   steps, numbered as vLLM numbers them, with only these differences:
 
   1. *Placement.* The group was reserved (or the caller's checked) by
-     ``options.plan_placement`` in the launching process; the executor joins
+     ``placement.plan_placement`` in the launching process; the executor joins
      the cluster and takes it. ``initialize_ray_cluster`` is not called.
   2. *Bundles.* Rank ``r = pp * tp_size + tp`` goes to bundle ``r``, or to
      ``VLLM_RAY_BUNDLE_INDICES[r]`` when that is set (as in vLLM).
@@ -124,7 +124,7 @@ class NNsightRankProc(RayWorkerProc):
         return take_serialized(request_ids)
 
     def extract_commit(self, part: str, timeout: float = 600.0, fsync: bool = False) -> dict[str, Any] | None:
-        """Write extraction part ``part`` once every capture before this call is filed (``extract.commit``)."""
+        """Write extraction part ``part`` once every capture before this call is filed (``extract.capture.commit``)."""
         from ..extract.capture import commit
 
         return commit(part, timeout, fsync)
@@ -153,9 +153,9 @@ class NNsightRankProc(RayWorkerProc):
 def configure_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Turn ``distributed_executor_backend="ray"`` plus our options into vLLM engine kwargs.
 
-    The placement is planned here (``options.plan_placement``: the ranks'
+    The placement is planned here (``placement.plan_placement``: the ranks'
     placement group reserved unless the caller gave one); release it with
-    ``options.release_placement_group`` if the engine then fails to start.
+    ``placement.release_placement_group`` if the engine then fails to start.
     """
     engine, ray_options = split_ray_options(kwargs)
     if engine.get("distributed_executor_backend") != "ray":

@@ -189,14 +189,14 @@ class RankRPCMixin:
         return with_gc(modes.timeline.since(since) if modes is not None else [], since)
 
     def nnsight_ray_extract_memory(self) -> dict[str, Any]:
-        """What this rank holds for activation extraction (``extract.memory``)."""
+        """What this rank holds for activation extraction (``extract.capture.memory``)."""
         from ..extract.capture import memory
 
         return memory()
 
     def nnsight_ray_extract_staging(self, mode: str | None = None) -> str:
         """Where this rank's captured rows wait (``host_memory``): the current staging, or switch to
-        ``mode`` (refused while rows are held: ``extract.set_staging``)."""
+        ``mode`` (refused while rows are held: ``extract.capture.set_staging``)."""
         from ..extract.capture import set_staging, writer
 
         return writer().staging if mode is None else set_staging(mode)
