@@ -145,6 +145,27 @@ def test_an_intervention_error_reaches_the_caller_and_the_engine_goes_on(engine,
 # -- RayVLLM only ---------------------------------------------------------------
 
 
+def test_a_runaway_block_is_stopped_and_its_neighbours_keep_their_values(rayvllm, hf):
+    """A block that never parks is stopped on the GPU rank after its budget; eight traces beside it are exact."""
+    with rayvllm.trace(PROMPTS[0], temperature=0.0, max_tokens=2, blocking=False, block_timeout_s=1.0) as bad:
+        first = rayvllm.model.layers[0].output[0].clone().save()  # noqa: F841
+        i = 0
+        while True:
+            i += 1
+    time.sleep(0.3)
+    began = time.monotonic()
+    neighbours = []
+    for prompt in (PROMPTS * 8)[:8]:
+        with rayvllm.trace(prompt, temperature=0.0, max_tokens=1, blocking=False) as tracer:
+            logits = rayvllm.logits.save()  # noqa: F841
+        neighbours.append((prompt, tracer))
+    for prompt, tracer in neighbours:
+        assert_close(tracer.collect(timeout=120)["logits"][-1], hf.run(prompt)["logits"], what="a neighbour")
+    assert time.monotonic() - began < 1.0 + 5
+    with pytest.raises(TimeoutError, match="block_timeout_s=1 "):
+        bad.collect(timeout=120)
+
+
 def test_non_blocking_ref_resolves_here_and_in_a_task(rayvllm, hf):
     with rayvllm.trace(PROMPTS[0], temperature=0.0, max_tokens=1, blocking=False) as tracer:
         out = rayvllm.model.layers[2].output.save()
