@@ -123,7 +123,9 @@ def _model_path(config: BatchConfig) -> str:
 def _check_engine_kwargs(kwargs: dict[str, Any]) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    known = {f.name for f in dataclasses.fields(EngineArgs)} | _RAYVLLM_OPTIONS
+    from .._internal.ranks.limits import ENGINE_KEYS, engine_limits
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)} | _RAYVLLM_OPTIONS | set(ENGINE_KEYS)
     unknown = sorted(set(kwargs) - known)
     if unknown:
         import difflib
@@ -139,7 +141,8 @@ def _check_engine_kwargs(kwargs: dict[str, Any]) -> None:
 
     try:
         engine_mode(kwargs)  # enforce_eager / taps (CUDA graphs): contradictions are refused here
-    except RequestError as error:
+        engine_limits(kwargs)  # the tenant limits (block_timeout_s, max_save_bytes, ...)
+    except (RequestError, ValueError) as error:
         raise BatchConfigError(f"engine.engine_kwargs: {error}") from None
 
 

@@ -104,9 +104,12 @@ class ServeArgs(BaseModel):
             from ..errors import RequestError
             from .._internal.blocks.graphs import engine_mode
 
+            from .._internal.ranks.limits import engine_limits
+
             try:
                 engine_mode(value)  # enforce_eager / taps (CUDA graphs): a contradiction is refused here
-            except RequestError as error:
+                engine_limits(value)  # the tenant limits (block_timeout_s, max_save_bytes, ...)
+            except (RequestError, ValueError) as error:
                 raise ValueError(f"engine_kwargs: {error}") from None
         return value
 

@@ -518,6 +518,8 @@ def no_engines(monkeypatch):
          "engine.engine_kwargs.taps: Tap on model.model.layers.0.self_attn.source: its forward has no operation "
          "'nope_0'. Its operations are ['self_qkv_proj_0'"),
         ({"model": {"path": "/nonexistent/model"}}, "model.path '/nonexistent/model': no such folder"),
+        ({"engine": {"engine_kwargs": {"block_timeout_s": 900}}},
+         "engine.engine_kwargs: block_timeout_s=900 is above max_block_timeout_s=600"),
     ],
 )
 def test_bad_inputs_fail_before_any_engine_starts(no_engines, model_dir, tmp_path, change, needle):

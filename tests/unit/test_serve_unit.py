@@ -176,6 +176,7 @@ def test_args_from_the_command_line_are_coerced():
     ({"model": "/m", "max_body_bytes": 0}, "max_body_bytes"),
     ({"model": "/m", "engine_kwargs": "{not json"}, "not JSON"),
     ({"model": "/m", "engine_kwargs": {"tensor_parallel_size": 2}}, "build_app arguments instead"),
+    ({"model": "/m", "engine_kwargs": {"block_timeout_s": 900}}, "above max_block_timeout_s=600"),
 ])
 def test_bad_args_are_refused_with_the_known_keys(bad, needle):
     with pytest.raises(ServeArgsError, match="Known arguments") as info:
