@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import assert_close, request_counts
+from conftest import ENGINE_KWARGS, assert_close, request_counts
 
 pytestmark = pytest.mark.integration
 
@@ -127,7 +127,6 @@ def test_an_in_process_engine_stops_a_spinning_block_too(local_llama, reference)
 def test_a_block_stuck_past_its_grace_fail_stops_the_engine_telling_every_waiter_why(ray_cluster, model_dir):
     """A block in code that never returns to Python (here a 60 s sleep; a long C call alike) cannot be stopped:
     after ``block_stop_grace_s`` its rank ends itself, and every waiter gets the engine's death with the reason."""
-    from conftest import ENGINE_KWARGS
     from nnsight_ray import RayVLLM
     from nnsight_ray.errors import EngineDeadError
 
