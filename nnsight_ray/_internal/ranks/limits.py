@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 LIMITS_KEY = "nnsight_ray_limits"  # in vLLM's additional_config (the engine's) and a request's extra_args
 ENGINE_KEYS = ("block_timeout_s", "block_total_timeout_s", "max_block_timeout_s", "max_save_bytes", "block_stop_grace_s")
 REQUEST_KEYS = ("block_timeout_s", "block_total_timeout_s")
-WATCH_PERIOD_S = 0.02
+WATCH_PERIOD_S = 0.02  # between looks while a block runs
+IDLE_PERIOD_S = 0.2  # between looks while none does: a budget is kept to within this much
 
 
 class BlockStopped(BaseException):
@@ -138,8 +139,9 @@ class Switch:
 class Watchdog:
     """Stops blocks that run past their budget; one per process, started with the first limited mediator."""
 
-    def __init__(self, period_s: float = WATCH_PERIOD_S) -> None:
+    def __init__(self, period_s: float = WATCH_PERIOD_S, idle_period_s: float = IDLE_PERIOD_S) -> None:
         self.period_s = period_s
+        self.idle_period_s = idle_period_s
         self.running: dict[int, Switch] = {}  # id(switch) -> switch; claimed by one atomic pop
         self.sent: dict[int, tuple[Switch, float]] = {}  # stops sent and not yet received, with when
         self.stopped = 0
@@ -154,7 +156,7 @@ class Watchdog:
 
     def _loop(self) -> None:
         while True:
-            time.sleep(self.period_s)
+            time.sleep(self.period_s if self.running or self.sent else self.idle_period_s)
             try:
                 self.check(time.monotonic())
             except Exception:  # never die silently: a watchdog that stops watching is a shared engine at risk
