@@ -103,7 +103,8 @@ def session_engines(request, model_dir):
         # taps (issue 23): a graph engine; on the CPU build every step runs eagerly and serves every location,
         # so every test on tp2 (layouts, batch, remote) also checks that untapped locations are served.
         # A tap inside a module's forward too (``.source.``), checked on the client's meta tree and opened on the ranks.
-        "tp2": {"tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD", "taps": TAPS},
+        # block_timeout_s: a remote=True tenant's runaway block is stopped after 5 s (test_remote.py).
+        "tp2": {"tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD", "taps": TAPS, "block_timeout_s": 5.0},
     }, **ENGINE_KWARGS)
     yield models
     for model in models.values():

@@ -45,6 +45,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from fastapi import FastAPI, HTTPException, Request, Response, WebSocket
 from fastapi.responses import JSONResponse
 
+from ..errors import RequestError
 from .jobs import DOWNLOAD_PATH, JobLimits
 from .protocol import build_trace
 
@@ -222,11 +223,13 @@ class RemoteRoutes:
             timeout = self.host.limits.job_timeout_s
             try:
                 saves = await asyncio.wait_for(self.host.run_trace(built), timeout)
-            except asyncio.TimeoutError:
-                await jobs.fail(job_id, f"the job did not finish within job_timeout_s ({timeout:g} s); the "
-                                "engine finishes it and drops its result")
-                return
             except Exception as error:
+                # asyncio.TimeoutError is the builtin TimeoutError: an intervention's own (a block stopped past
+                # its budget comes back as a RequestError that is also a TimeoutError) is the job's error.
+                if isinstance(error, asyncio.TimeoutError) and not isinstance(error, RequestError):
+                    await jobs.fail(job_id, f"the job did not finish within job_timeout_s ({timeout:g} s); the "
+                                    "engine finishes it and drops its result")
+                    return
                 deferred = getattr(error, "deferred", None)
                 if deferred is not None and deferred.get("is_control_flow"):
                     saves = {}

@@ -110,6 +110,41 @@ def test_an_error_in_the_block_reaches_the_client_with_type_and_line(remote_url,
                                                                                       serve=remote_url, api_key=KEY)[0])
 
 
+def test_a_runaway_remote_job_ends_in_error_within_its_budget_and_others_finish(remote_url, client, ray_tp2):
+    """A remote=True job whose block spins ends in ERROR after the engine's block_timeout_s (5 s on tp2);
+    jobs submitted beside it finish with their values, and the engine is not restarted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nnsight.intervention.backends.remote import RemoteError
+
+    want = layer_and_logits(client, "Hello world", serve=remote_url, api_key=KEY)[0]
+
+    def runaway():
+        with pytest.raises(RemoteError, match="block_timeout_s=5 ") as raised:
+            with client.trace("A runaway tenant", temperature=0.0, max_tokens=2, remote=True):
+                client.model.layers[0].output[0].save()
+                while True:
+                    pass
+        return str(raised.value)
+
+    def neighbour():
+        began = time.monotonic()
+        return layer_and_logits(client, "Hello world", remote=True)[0], time.monotonic() - began
+
+    pids = [rank["pid"] for rank in ray_tp2.topology()]
+    with ThreadPoolExecutor(5) as pool:
+        bad = pool.submit(runaway)
+        time.sleep(0.5)
+        goods = [pool.submit(neighbour) for _ in range(4)]
+        for future in goods:
+            value, waited = future.result(timeout=120)
+            assert_close(value, want)
+            assert waited < 5.0 + 5, f"a neighbour waited {waited:.1f} s"
+        assert "TimeoutError" in bad.result(timeout=120)
+    assert [rank["pid"] for rank in ray_tp2.topology()] == pids  # the same ranks: nothing restarted
+    assert set(request_counts(ray_tp2)) == {0}
+
+
 def test_blocking_false_then_polling(remote_url, client, ray_tp2):
     tracers = []
     for prompt in ("Hello world", "abc"):

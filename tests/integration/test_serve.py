@@ -66,7 +66,9 @@ def served(ray_cluster, model_dir):
     # One proxy: the simulated nodes share 127.0.0.1, so proxies on every node
     # would share (and fight over) one port (docs/clusters.md, "Pitfalls").
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": model_dir, "engine_kwargs": ENGINE_KWARGS, "num_replicas": 2,
+    # block_timeout_s: a tenant's runaway block is stopped after 2 s (test_a_runaway_serve_trace_...).
+    serve.run(build_app({"model": model_dir, "engine_kwargs": {**ENGINE_KWARGS, "block_timeout_s": 2.0},
+                         "num_replicas": 2,
                          "placement_strategy": "SPREAD",
                          "api_key": KEY, "max_body_bytes": MAX_BODY}), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
@@ -299,6 +301,36 @@ def test_bad_requests_fail_alone_while_others_succeed(served, client, local_llam
     assert results[2:] == [413, 413]
     assert "exceeds the limit" in raw_generate(url, b"x" * (MAX_BODY + 1)).json()["detail"]
     assert_close(good(), want)
+    assert set(engine_request_counts(APP)) == {0}
+
+
+def test_a_runaway_serve_trace_fails_alone_within_its_budget_and_neighbours_are_exact(served, client, local_llama):
+    """A serve= tenant whose block spins holds no one: the app's engines stop it after ``block_timeout_s`` (2 s)."""
+    prompts = [f"neighbour {i}" for i in range(8)]
+    want = {p: layer_and_logits(local_llama, p)[0] for p in prompts}
+
+    def runaway():
+        with pytest.raises(Exception, match="block_timeout_s=2 ") as raised:
+            with client.trace("A runaway tenant", temperature=0.0, max_tokens=2, **on(served)):
+                client.model.layers[0].output[0].save()
+                while True:
+                    pass
+        return str(raised.value)
+
+    def neighbour(prompt):
+        began = time.monotonic()
+        value = layer_and_logits(client, prompt, **on(served))[0]
+        return value, time.monotonic() - began
+
+    with ThreadPoolExecutor(9) as pool:
+        bad = pool.submit(runaway)
+        time.sleep(0.5)
+        goods = {p: pool.submit(neighbour, p) for p in prompts}
+        for prompt, future in goods.items():
+            value, waited = future.result(timeout=120)
+            assert_close(value, want[prompt])
+            assert waited < 2.0 + 5, f"{prompt!r} waited {waited:.1f} s"
+        assert "TimeoutError" in bad.result(timeout=120)
     assert set(engine_request_counts(APP)) == {0}
 
 

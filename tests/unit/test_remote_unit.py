@@ -348,6 +348,16 @@ def test_every_way_a_job_can_fail_still_ends_it(fake_replica):
     _, client = fake_replica(dead, build=session)
     assert "model.session(...) is not supported" in final(client, post(client).json()["id"])["description"]
 
+    async def stopped_block(built):  # a block stopped past its budget: typed TimeoutError, not the job's deadline
+        from nnsight_ray.errors import intervention_error
+
+        raise intervention_error({"type_name": "TimeoutError", "message": "request r: ... block_timeout_s=5 ..."},
+                                 "TimeoutError: request r: ... block_timeout_s=5 ...")
+
+    host, client = fake_replica(stopped_block)
+    answer = final(client, post(client).json()["id"])
+    assert "block_timeout_s=5" in answer["description"] and "job_timeout_s" not in answer["description"]
+
 
 def test_a_trace_stopped_early_completes_with_what_it_saved(fake_replica):
     async def stopped(built):
