@@ -251,6 +251,33 @@ def test_two_replicas_give_the_same_outputs_as_one(ray_tp1, ray_tp2, model_dir, 
     assert len(served) == 2 and all(n > 0 for n in served) and sum(served) == 24
 
 
+def test_a_runaway_intervention_fails_its_prompt_alone(ray_tp2, local_llama, model_dir, tmp_path):
+    """``intervene`` spinning on one prompt: the engine stops it after its block_timeout_s (5 s on tp2), that
+    prompt is recorded in errors.jsonl as a TimeoutError, and every other prompt's row is exact."""
+    intervention = tmp_path / "iv.py"
+    intervention.write_text(
+        "def intervene(model, tracer):\n"
+        "    hidden = model.model.layers[2].output[0]\n"
+        "    if hidden.shape[0] == 7:\n"
+        "        while True:\n"
+        "            pass\n"
+        "    return {'h2': hidden[-1]}\n"
+    )
+    prompts = ["Hello, world!", "seven!!", "1 2 3 4 5", "Hi"]
+    config = make_config(tmp_path, model_dir, prompts, saves=None, intervention=str(intervention))
+    result, _ = run(config, engines=[ray_tp2])
+    assert result.complete and result.errors == 1
+    errors = {e["id"]: e for e in map(json.loads, (tmp_path / "out" / "errors.jsonl").read_text().splitlines())}
+    assert set(errors) == {"q1"} and errors["q1"]["type"] == "TimeoutError"
+    assert "block_timeout_s=5 " in errors["q1"]["message"]
+    for row in rows(tmp_path / "out"):
+        if row["id"] == "q1":
+            continue
+        with local_llama.trace(row["prompt"], temperature=0.0, max_tokens=1):
+            h2 = local_llama.model.layers[2].output[0][-1].clone().save()
+        assert_close(value(row, "h2"), h2)
+
+
 def test_failing_interventions_are_recorded_and_the_run_goes_on(ray_tp1, local_llama, model_dir, tmp_path):
     intervention = tmp_path / "iv.py"
     intervention.write_text(
