@@ -411,7 +411,7 @@ def test_stream_yields_steps_before_finish_and_saves_on_last(async_tp1, local_ll
     import asyncio
 
     async def run():
-        with async_tp1.trace("Hello world", temperature=0.0, max_tokens=5) as tracer:
+        with async_tp1.trace("Hello world", temperature=0.0, max_tokens=16, ignore_eos=True) as tracer:
             hidden = async_tp1.model.layers[2].output[0].clone().save()
         seen = []
         async for output in tracer.backend:
@@ -420,7 +420,12 @@ def test_stream_yields_steps_before_finish_and_saves_on_last(async_tp1, local_ll
         return seen, again
 
     seen, again = asyncio.run(run())
-    assert len(seen) == 5 and [o.finished for o in seen] == [False] * 4 + [True]
+    # vLLM's output collector merges steps a lagging consumer has not taken yet
+    # (as in-process nnsight/AsyncLLM), so a busy host may see fewer than 16
+    # outputs; each is a step further on, and only the last is finished.
+    assert 2 <= len(seen) <= 16 and [o.finished for o in seen] == [False] * (len(seen) - 1) + [True]
+    lengths = [len(o.outputs[0].token_ids) for o in seen]
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 16
     assert all(o.saves == {} for o in seen[:-1])
     want, _ = layer_and_logits(local_llama, "Hello world")
     assert_close(seen[-1].saves["hidden"], want)
