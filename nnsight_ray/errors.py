@@ -7,6 +7,7 @@ merge actors raise it, the caller catches it as the builtin type it was.
 from __future__ import annotations
 
 import builtins
+import re
 from typing import Any
 
 
@@ -42,6 +43,37 @@ def _str(self: BaseException) -> str:
     return str(self.args[0]) if self.args else ""
 
 
+class BlockTimeoutError(RequestError, TimeoutError):
+    """A request's intervention block ran past its deadline and was stopped on the rank.
+
+    Only that request failed; the engine and every other request went on. A
+    ``TimeoutError`` too, so ``except TimeoutError`` catches it. The message
+    names the request, where the block was, how long it ran and the limit
+    (``block_timeout_s`` / ``block_total_timeout_s``) with how to raise it.
+    """
+
+    __str__ = _str
+
+
+_TYPED_ERRORS[BlockTimeoutError.__name__] = BlockTimeoutError
+# The part of a BlockTimeoutError's message that says how long the block held the model's thread.
+_HELD = "its intervention block was stopped after running {:.1f} s"
+_HELD_PATTERN = re.compile(re.escape(_HELD).replace(re.escape("{:.1f}"), r"([0-9]+(?:\.[0-9]+)?)"))
+
+
+def block_held(seconds: float) -> str:
+    """The words of a BlockTimeoutError's message that carry how long the block ran (``held_seconds`` reads them)."""
+    return _HELD.format(seconds)
+
+
+def held_seconds(deferred: dict | None) -> float | None:
+    """How long a stopped block held the model's thread, from an error's wire form; None for any other error."""
+    if not deferred or deferred.get("type_name") != BlockTimeoutError.__name__:
+        return None
+    found = _HELD_PATTERN.search(str(deferred.get("message") or ""))
+    return float(found.group(1)) if found else None
+
+
 def intervention_error(deferred: dict, message: str) -> RequestError:
     """The exception to raise at the caller for an intervention that failed in the engine.
 
@@ -65,6 +97,8 @@ def intervention_error(deferred: dict, message: str) -> RequestError:
 
 
 def _typed_class(name: str) -> type[RequestError]:
+    if name in _TYPED_ERRORS:
+        return _TYPED_ERRORS[name]
     original = getattr(builtins, name, None)
     if (
         not (isinstance(original, type) and issubclass(original, Exception))

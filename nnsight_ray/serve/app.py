@@ -32,9 +32,13 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     """
     from .deployment import NNsightDeployment, NNsightRegistry
     from .job_store import NNsightJobs
+    from .routing import router_config
 
     parsed = ServeArgs.parse(args)
     if parsed.api_key is None and os.environ.get(API_KEY_ENV):
         parsed = parsed.model_copy(update={"api_key": SecretStr(os.environ[API_KEY_ENV])})
-    deployment = NNsightDeployment.options(num_replicas=parsed.num_replicas)
-    return deployment.bind(parsed, NNsightRegistry.bind(), NNsightJobs.bind(parsed.job_limits()))
+    # Serve's power of two choices, except that a replica whose engine has stopped stepping goes last.
+    deployment = NNsightDeployment.options(num_replicas=parsed.num_replicas,
+                                           request_router_config=router_config(parsed.stalled_after_s))
+    penalty = parsed.penalty(parsed.resolved_keys())  # 0 unless tenants have keys of their own
+    return deployment.bind(parsed, NNsightRegistry.bind(), NNsightJobs.bind(parsed.job_limits(), penalty))

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from .._internal.cluster.placement import PlacementStrategy, RankPlacement
 from .jobs import JobLimits
+from .security import DEFAULT_TENANT
+from .tenants import DEFAULT_RUNAWAY_PENALTY
 
 __all__ = ["API_KEY_ENV", "DEFAULT_MAX_BODY_BYTES", "ServeArgs", "ServeArgsError"]
 
@@ -27,6 +29,18 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20
 
 # Set through build_app's own arguments, never through engine_kwargs.
 _LAYOUT_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "placement_strategy")
+
+
+def _mapping(name: str, value: Any, example: str) -> Any:
+    """A mapping argument as given: None is empty, a string must be a JSON object (the command line's spelling)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} is a string but not JSON ({error}); write e.g. {name}='{example}'") from None
+    return value
 
 
 class ServeArgsError(ValueError):
@@ -47,6 +61,17 @@ class ServeArgs(BaseModel):
         description=f"Required on every route but /health (header ndif-api-key, or Authorization: Bearer). "
         f"Defaults to ${API_KEY_ENV} in the builder's, then the replica's, environment.",
     )
+    api_keys: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description="One key per tenant, {name: key} (a JSON object on the command line): the key's name is the "
+        "tenant, what runaway_penalty counts by. Beside api_key (the tenant 'default'), or instead of it.")
+    runaway_penalty: float = Field(
+        DEFAULT_RUNAWAY_PENALTY, ge=0, description="After a tenant's block is stopped at its deadline, its new "
+        "traces on that replica are refused (429) for this many times the time the block held the engine; 0 off. "
+        "Applies only when tenants have keys of their own (api_keys).")
+    stalled_after_s: float = Field(
+        2.0, gt=0, description="Serve routes new requests past a replica whose engine has gone this long without "
+        "finishing a step while it has work (a block holding the model), while another replica is free.")
     max_body_bytes: int = Field(
         DEFAULT_MAX_BODY_BYTES, gt=0, description="Largest request body accepted (413 above it)."
     )
@@ -86,17 +111,21 @@ class ServeArgs(BaseModel):
                              "leave tensor_parallel_size, pipeline_parallel_size and engine_kwargs unset")
         return self
 
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _api_keys(cls, value: Any) -> Any:
+        value = _mapping("api_keys", value, '{"alice": "<key>", "bob": "<key>"}')
+        if isinstance(value, dict):
+            if any(not str(name).strip() for name in value):
+                raise ValueError("api_keys: every tenant needs a name")
+            if any(not (v.get_secret_value() if isinstance(v, SecretStr) else v) for v in value.values()):
+                raise ValueError("api_keys: every tenant needs a non-empty key")
+        return value
+
     @field_validator("engine_kwargs", mode="before")
     @classmethod
     def _engine_kwargs(cls, value: Any) -> Any:
-        if value is None:
-            return {}
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"engine_kwargs is a string but not JSON ({error}); write e.g. "
-                                 "engine_kwargs='{\"max_model_len\": 256}'") from None
+        value = _mapping("engine_kwargs", value, '{"max_model_len": 256}')
         if isinstance(value, dict):
             clash = sorted(k for k in value if k in _LAYOUT_KEYS)
             if clash:
@@ -124,6 +153,24 @@ class ServeArgs(BaseModel):
             return self.api_key.get_secret_value()
         environ = os.environ if environ is None else environ
         return environ.get(API_KEY_ENV) or None
+
+    def resolved_keys(self, environ: dict[str, str] | None = None) -> dict[str, str] | None:
+        """``{tenant: key}`` to require: ``api_keys``, plus ``resolved_api_key`` as tenant ``"default"``; None: open.
+
+        Raises ``ServeArgsError`` when two tenants share a key (a request could not say whose it is)."""
+        keys = {name: key.get_secret_value() for name, key in self.api_keys.items()}
+        single = self.resolved_api_key(environ)
+        if single is not None:
+            if DEFAULT_TENANT in keys and keys[DEFAULT_TENANT] != single:
+                raise ServeArgsError(f"api_keys names a tenant {DEFAULT_TENANT!r}, the name api_key's key has")
+            keys.setdefault(DEFAULT_TENANT, single)
+        if len(set(keys.values())) < len(keys):
+            raise ServeArgsError("api_keys: two tenants have the same key; give each its own")
+        return keys or None
+
+    def penalty(self, keys: dict[str, str] | None) -> float:
+        """The runaway penalty in force: ``runaway_penalty`` when ``keys`` tell tenants apart (two or more), else 0."""
+        return self.runaway_penalty if keys is not None and len(keys) > 1 else 0.0
 
     def job_limits(self) -> JobLimits:
         """The bounds of the application's job book (``remote=True``)."""

@@ -43,10 +43,11 @@ from .openai_api import (SSE_DONE, ChatRequest, StreamChunks, chat_prompt, chat_
                          sse, validation_message)
 from .protocol import (RETURN_SAVES_HEADER, CompletionRequest, build_trace, completion_response, error_of,
                        trace_payload)
-from .job_store import JobsClient
+from .job_store import JobsClient, TenantsClient
 from .registry import RegistrationError, Registry
 from .remote import ModelKeys, RemoteRoutes
-from .security import GuardMiddleware
+from .routing import STALLED_KEY
+from .security import GuardMiddleware, tenant
 
 __all__ = ["NNsightDeployment", "NNsightRegistry"]
 
@@ -140,7 +141,8 @@ class NNsightDeployment:
 
     def __init__(self, args: ServeArgs, registry: Any, jobs: Any) -> None:
         self.args = args
-        self.api_key = args.resolved_api_key()
+        self.api_key = args.resolved_keys()  # {tenant: key}, None: open
+        self.tenants = TenantsClient(jobs, on=bool(args.penalty(self.api_key)))
         self.registry = registry
         context = serve.get_replica_context()
         self.name = f"{context.app_name or 'default'}-{context.replica_tag}"
@@ -156,6 +158,9 @@ class NNsightDeployment:
         if self.api_key is None:
             logger.warning("replica %s: no API key set (api_key / NNSIGHT_RAY_API_KEY); every client that reaches "
                            "the route can run code on the cluster", self.engine_name)
+        if args.runaway_penalty and not self.tenants.on:
+            logger.info("replica %s: runaway_penalty is off: tenants are told apart only by keys of their own "
+                        "(api_keys)", self.engine_name)
         self._starting = asyncio.get_running_loop().create_task(self._start())
 
     # -- life cycle -----------------------------------------------------------
@@ -283,6 +288,13 @@ class NNsightDeployment:
         except Exception as error:
             raise _cause(error) from None
 
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's routing-stats seam: how long this replica's engine has gone without a step (``routing.py``)."""
+        if self.state != "ready":
+            return {}
+        load = await self.engine.engine.load.remote()
+        return {STALLED_KEY: load["stalled_s"], "nnsight_in_flight": load["in_flight"]}
+
     async def health(self) -> dict[str, Any]:
         self._ready()
         return {"status": "ok", "engine": self.engine_name, "gc_frozen": gc.get_freeze_count()}
@@ -297,24 +309,31 @@ class NNsightDeployment:
         from nnsight.intervention.errors import capture_exception
 
         self._ready()
-        body = await request.body()
-        compress = request.headers.get("nnsight-compress", "False").lower() == "true"
-        started = time.perf_counter()
+        who = tenant(request.scope)
+        refusal, tracked = await self.tenants.admit(who)
+        if refusal is not None:
+            return JSONResponse({"detail": refusal.detail}, status_code=429, headers=refusal.headers())
+        error = None
         try:
-            built = build_trace(self.model, body, self.persistent_objects, compress)
-        except Exception as error:
-            logger.info("replica %s: trace failed to build: %s", self.engine_name, error)
-            return self._trace_reply({}, capture_exception(error), started, time.perf_counter())
-        built_at = time.perf_counter()
-        ref = self.engine.trace_ref(built.prompts, built.params, built.loras, built.presaved)
-        try:
-            saves, error = await ref, None
-        except Exception as failure:
-            cause = _cause(failure)
-            logger.warning("replica %s: trace failed: %s", self.engine_name, cause)
-            # An intervention's error keeps nnsight's wire form (its traceback points at the user's line).
-            saves, error = {}, getattr(cause, "deferred", None) or capture_exception(cause)
-        return self._trace_reply(saves, error, started, built_at)
+            body = await request.body()
+            compress = request.headers.get("nnsight-compress", "False").lower() == "true"
+            started = time.perf_counter()
+            try:
+                built = build_trace(self.model, body, self.persistent_objects, compress)
+            except Exception as failure:
+                logger.info("replica %s: trace failed to build: %s", self.engine_name, failure)
+                return self._trace_reply({}, capture_exception(failure), started, time.perf_counter())
+            built_at = time.perf_counter()
+            try:
+                saves = await self.engine.trace_ref(built.prompts, built.params, built.loras, built.presaved)
+            except Exception as failure:
+                cause = _cause(failure)
+                logger.warning("replica %s: trace failed: %s", self.engine_name, cause)
+                # An intervention's error keeps nnsight's wire form (its traceback points at the user's line).
+                saves, error = {}, getattr(cause, "deferred", None) or capture_exception(cause)
+            return self._trace_reply(saves, error, started, built_at)
+        finally:  # a stopped block starts its tenant's cool-down; a probation slot is given back
+            await asyncio.shield(self.tenants.end(who, error, tracked))
 
     def _trace_reply(self, saves: dict, error: Any, started: float, built_at: float) -> Response:
         body = trace_payload(saves, error)

@@ -48,6 +48,7 @@ from fastapi.responses import JSONResponse
 from ..errors import RequestError
 from .jobs import DOWNLOAD_PATH, JobLimits
 from .protocol import build_trace
+from .security import tenant
 
 __all__ = ["VLLM_CLASSES", "ModelKeys", "RemoteRoutes", "describe_error", "encode_result"]
 
@@ -127,6 +128,7 @@ class RemoteHost(Protocol):
     jobs: Any  # async methods of jobs.JobBook, reached over the application's handle
     limits: JobLimits
     public_url: str | None
+    tenants: Any  # job_store.TenantsClient: async refusal(tenant) / charge(tenant, error), the cool-downs
 
     def ready(self) -> None: ...  # raises HTTPException(503) until the engine is up
 
@@ -179,10 +181,26 @@ class RemoteRoutes:
 
     async def request(self, request: Request) -> Response:
         """``POST /request``: check, record (RECEIVED), answer; the job runs on in the background."""
+        self.host.ready()
+        who = tenant(request.scope)
+        refusal, tracked = await self.host.tenants.admit(who)
+        if refusal is not None:
+            raise HTTPException(429, refusal.detail, headers=refusal.headers())
+        try:
+            accepted, payload, compress = await self._accept(request)
+        except BaseException:
+            await asyncio.shield(self.host.tenants.end(who, None, tracked))
+            raise
+        task = asyncio.ensure_future(self._run(accepted["id"], payload, compress, who, tracked))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return JSONResponse(accepted)
+
+    async def _accept(self, request: Request) -> tuple[dict, bytes, bool]:
+        """Check the form and the model key, record the job (RECEIVED): ``(the answer, the blob, compress)``."""
         from nnsight.schema.request import RequestModel
         from pydantic import ValidationError
 
-        self.host.ready()
         form = await request.form()
         data, blob = form.get("data"), form.get("blob")
         if data is None or blob is None or isinstance(blob, str):
@@ -204,13 +222,19 @@ class RemoteRoutes:
             accepted = await self.host.jobs.accept(meta.model_key, meta.session_id, self.host.name)
         except KeyError as error:  # UnknownSession, come back through the handle
             raise HTTPException(400, str(error)) from None
-        task = asyncio.ensure_future(self._run(accepted["id"], payload, meta.compress))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return JSONResponse(accepted)
+        return accepted, payload, meta.compress
 
-    async def _run(self, job_id: str, payload: bytes, compress: bool) -> None:
-        """One job to its end: QUEUED, build, RUNNING, the engine, then COMPLETED or ERROR (never neither)."""
+    async def _run(self, job_id: str, payload: bytes, compress: bool, who: str | None = None,
+                   tracked: bool = False) -> None:
+        """One job to its end, and its tenant told (``tenants.py``): a stopped block starts a cool-down."""
+        failed: list[dict] = []
+        try:
+            await self._job(job_id, payload, compress, failed)
+        finally:
+            await asyncio.shield(self.host.tenants.end(who, failed[0] if failed else None, tracked))
+
+    async def _job(self, job_id: str, payload: bytes, compress: bool, failed: list) -> None:
+        """QUEUED, build, RUNNING, the engine, then COMPLETED or ERROR (never neither); ``failed`` gets the error."""
         jobs = self.host.jobs
         try:
             await jobs.update(job_id, "QUEUED", "Your job is building on the replica.")
@@ -234,7 +258,7 @@ class RemoteRoutes:
                 if deferred is not None and deferred.get("is_control_flow"):
                     saves = {}
                 else:
-                    await self._fail(job_id, error, "the trace failed")
+                    failed.append(await self._fail(job_id, error, "the trace failed"))
                     return
             result = encode_result(saves, compress)
             await jobs.complete(job_id, result)
@@ -245,13 +269,14 @@ class RemoteRoutes:
         except Exception as error:  # the book itself failed: log; its deadline ends the job
             logger.exception("replica %s: job %s could not report its end: %s", self.host.name, job_id, error)
 
-    async def _fail(self, job_id: str, error: BaseException, what: str) -> None:
+    async def _fail(self, job_id: str, error: BaseException, what: str) -> dict:
         from nnsight.intervention.errors import capture_exception
 
         logger.info("replica %s: job %s: %s: %s", self.host.name, job_id, what, error)
         deferred = getattr(error, "deferred", None) or capture_exception(error)
         await self.host.jobs.fail(job_id, describe_error(deferred))
         self.host.job_ended(0, str(deferred.get("type_name")))
+        return deferred
 
     # -- reads ------------------------------------------------------------------------
 

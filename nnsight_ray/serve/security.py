@@ -7,7 +7,9 @@ result download (its URL is the capability), and on the ``remote=True``
 websocket (refused in a way nnsight's client reports as ``RemoteError``). The key is compared
 with ``hmac.compare_digest`` so the time taken says nothing about how much of a
 guess was right. nnsight's client sends it as ``ndif-api-key``; an OpenAI
-client sends ``Authorization: Bearer <key>``; both are accepted.
+client sends ``Authorization: Bearer <key>``; both are accepted. With
+``api_keys={name: key}`` each tenant has its own key, and the key's name is
+the tenant the handlers see (``tenant(scope)``; ``tenants.py`` uses it).
 
 The size limit is enforced twice, because ``Content-Length`` is optional (a
 chunked upload has none) and can lie: a declared length over the limit is
@@ -22,11 +24,14 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping, Union
 
-__all__ = ["API_KEY_HEADER", "BodyTooLarge", "GuardMiddleware", "check_api_key", "declared_length"]
+__all__ = ["API_KEY_HEADER", "BodyTooLarge", "DEFAULT_TENANT", "GuardMiddleware", "check_api_key", "declared_length",
+           "identify", "tenant"]
 
 API_KEY_HEADER = "ndif-api-key"
+DEFAULT_TENANT = "default"  # the tenant of the one key `api_key` sets
+TENANT_STATE = "nnsight_tenant"  # where the middleware leaves the tenant: scope["state"] (Starlette's request.state)
 OPEN_PATHS = frozenset({"/health", "/ping"})
 # A result download (remote=True): nnsight's client sends no header there; the
 # unguessable, single-use, expiring token in the path is the capability.
@@ -67,17 +72,41 @@ def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
-def check_api_key(headers: list[tuple[bytes, bytes]], expected: str | None) -> tuple[int, str] | None:
-    """``None`` if the request may proceed, else ``(status, detail)``: 401 missing, 403 wrong."""
-    if expected is None:
+Keys = Union[str, Mapping[str, str], None]
+
+
+def key_names(expected: Keys) -> dict[str, str] | None:
+    """``{tenant: key}``: one key is the tenant ``"default"``; None or no key leaves the routes open."""
+    if not expected:
         return None
+    return {DEFAULT_TENANT: expected} if isinstance(expected, str) else dict(expected)
+
+
+def identify(headers: list[tuple[bytes, bytes]], expected: Keys) -> tuple[str | None, tuple[int, str] | None]:
+    """``(tenant, None)`` if the request may proceed (tenant: its key's name; None when open), else
+    ``(None, (status, detail))``: 401 missing, 403 wrong. Every key is compared, in constant time each."""
+    keys = key_names(expected)
+    if keys is None:
+        return None, None
     presented = presented_key(headers)
     if presented is None:
-        return 401, (f"API key required: send it in the {API_KEY_HEADER} header (nnsight: api_key=... with serve=, "
-                     "NDIF_API_KEY or CONFIG.API.APIKEY with remote=True)")
-    if not hmac.compare_digest(presented, expected.encode()):
-        return 403, "invalid API key"
-    return None
+        return None, (401, f"API key required: send it in the {API_KEY_HEADER} header (nnsight: api_key=... with "
+                      "serve=, NDIF_API_KEY or CONFIG.API.APIKEY with remote=True)")
+    tenant = None
+    for name, key in keys.items():
+        if hmac.compare_digest(presented, key.encode()) and tenant is None:
+            tenant = name
+    return (tenant, None) if tenant is not None else (None, (403, "invalid API key"))
+
+
+def check_api_key(headers: list[tuple[bytes, bytes]], expected: Keys) -> tuple[int, str] | None:
+    """``None`` if the request may proceed, else ``(status, detail)``: 401 missing, 403 wrong."""
+    return identify(headers, expected)[1]
+
+
+def tenant(scope: Scope) -> str | None:
+    """The tenant ``GuardMiddleware`` identified a request as (its key's name); None on open routes."""
+    return (scope.get("state") or {}).get(TENANT_STATE)
 
 
 def declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -129,21 +158,23 @@ class GuardMiddleware:
 
     Args:
         app: The ASGI application to guard.
-        api_key: Required key, or ``None`` to leave the routes open.
+        api_key: Required key, or ``{tenant: key}`` (each tenant its own key), or ``None`` to leave the
+            routes open. The tenant a request's key names is in ``scope["state"]`` (``tenant(scope)``).
         max_body_bytes: Largest body accepted; larger ones get 413.
     """
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: Keys, max_body_bytes: int) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
-            refusal = check_api_key(scope.get("headers", []), self.api_key)
+            who, refusal = identify(scope.get("headers", []), self.api_key)
             if refusal is not None:
                 await _refuse_subscription(receive, send, *refusal)
                 return
+            scope.setdefault("state", {})[TENANT_STATE] = who
             await self.app(scope, receive, send)
             return
         if scope["type"] != "http":
@@ -152,10 +183,11 @@ class GuardMiddleware:
         headers = scope.get("headers", [])
         path = route_path(scope)
         if path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
-            refusal = check_api_key(headers, self.api_key)
+            who, refusal = identify(headers, self.api_key)
             if refusal is not None:
                 await _reply(send, *refusal)
                 return
+            scope.setdefault("state", {})[TENANT_STATE] = who
         length = declared_length(headers)
         if length == -1:
             await _reply(send, 400, "malformed Content-Length header")

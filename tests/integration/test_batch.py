@@ -253,7 +253,7 @@ def test_two_replicas_give_the_same_outputs_as_one(ray_tp1, ray_tp2, model_dir, 
 
 def test_a_runaway_intervention_fails_its_prompt_alone(ray_tp2, local_llama, model_dir, tmp_path):
     """``intervene`` spinning on one prompt: the engine stops it after its block_timeout_s (5 s on tp2), that
-    prompt is recorded in errors.jsonl as a TimeoutError, and every other prompt's row is exact."""
+    prompt is recorded in errors.jsonl as a BlockTimeoutError, and every other prompt's row is exact."""
     intervention = tmp_path / "iv.py"
     intervention.write_text(
         "def intervene(model, tracer):\n"
@@ -268,7 +268,7 @@ def test_a_runaway_intervention_fails_its_prompt_alone(ray_tp2, local_llama, mod
     result, _ = run(config, engines=[ray_tp2])
     assert result.complete and result.errors == 1
     errors = {e["id"]: e for e in map(json.loads, (tmp_path / "out" / "errors.jsonl").read_text().splitlines())}
-    assert set(errors) == {"q1"} and errors["q1"]["type"] == "TimeoutError"
+    assert set(errors) == {"q1"} and errors["q1"]["type"] == "BlockTimeoutError"
     assert "block_timeout_s=5 " in errors["q1"]["message"]
     for row in rows(tmp_path / "out"):
         if row["id"] == "q1":

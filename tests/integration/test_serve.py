@@ -27,7 +27,8 @@ from conftest import ENGINE_KWARGS, assert_close, free_port, layer_and_logits, m
 pytestmark = pytest.mark.integration
 
 APP = "nnsight-serve-test"
-KEY = "test-key-0123456789"
+KEY = "test-key-0123456789"  # the tenant "default"
+MALLORY = "mallory-key-0123456789"  # a tenant of her own (api_keys): the one whose blocks run away
 MAX_BODY = 1 << 20
 READY_TIMEOUT_S = 900
 
@@ -66,11 +67,13 @@ def served(ray_cluster, model_dir):
     # One proxy: the simulated nodes share 127.0.0.1, so proxies on every node
     # would share (and fight over) one port (docs/clusters.md, "Pitfalls").
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    # block_timeout_s: a tenant's runaway block is stopped after 2 s (test_a_runaway_serve_trace_...).
+    # block_timeout_s: a tenant's runaway block is stopped after 2 s (test_a_runaway_serve_trace_...);
+    # two tenants, so a runaway one cools down; a replica whose engine stalls 1 s is routed around.
     serve.run(build_app({"model": model_dir, "engine_kwargs": {**ENGINE_KWARGS, "block_timeout_s": 2.0},
                          "num_replicas": 2,
                          "placement_strategy": "SPREAD",
-                         "api_key": KEY, "max_body_bytes": MAX_BODY}), name=APP, route_prefix="/")
+                         "api_key": KEY, "api_keys": {"mallory": MALLORY}, "stalled_after_s": 1.0,
+                         "max_body_bytes": MAX_BODY}), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     first = httpx.get(f"{url}/health", timeout=30)
     try:
@@ -305,13 +308,15 @@ def test_bad_requests_fail_alone_while_others_succeed(served, client, local_llam
 
 
 def test_a_runaway_serve_trace_fails_alone_within_its_budget_and_neighbours_are_exact(served, client, local_llama):
-    """A serve= tenant whose block spins holds no one: the app's engines stop it after ``block_timeout_s`` (2 s)."""
+    """A serve= tenant whose block spins holds no one: the engine stops it after the ``block_timeout_s`` its trace
+    asked for (3 s; the app's default is 2 s), then her next traces are refused for a while (her cool-down)."""
     prompts = [f"neighbour {i}" for i in range(8)]
     want = {p: layer_and_logits(local_llama, p)[0] for p in prompts}
 
     def runaway():
-        with pytest.raises(Exception, match="block_timeout_s=2 ") as raised:
-            with client.trace("A runaway tenant", temperature=0.0, max_tokens=2, **on(served)):
+        with pytest.raises(Exception, match="block_timeout_s=3 ") as raised:
+            with client.trace("A runaway tenant", temperature=0.0, max_tokens=2, block_timeout_s=3.0,
+                              **on(served, api_key=MALLORY)):
                 client.model.layers[0].output[0].save()
                 while True:
                     pass
@@ -329,9 +334,59 @@ def test_a_runaway_serve_trace_fails_alone_within_its_budget_and_neighbours_are_
         for prompt, future in goods.items():
             value, waited = future.result(timeout=120)
             assert_close(value, want[prompt])
-            assert waited < 2.0 + 5, f"{prompt!r} waited {waited:.1f} s"
-        assert "TimeoutError" in bad.result(timeout=120)
+            assert waited < 3.0 + 5, f"{prompt!r} waited {waited:.1f} s"
+        assert "BlockTimeoutError" in bad.result(timeout=120)
     assert set(engine_request_counts(APP)) == {0}
+    # Her next trace, on either replica, is refused for 3 x the 3 s her block held the engine; others go on.
+    with pytest.raises(ConnectionError, match="429.*tenant 'mallory'.*refused"):
+        layer_and_logits(client, "Hello", **on(served, api_key=MALLORY))
+    assert_close(layer_and_logits(client, prompts[0], **on(served))[0], want[prompts[0]])
+    cool_down_over(served)
+
+
+def cool_down_over(served, timeout_s=30):
+    """Wait until mallory may send again (her cool-down is the application's)."""
+    from ray import serve
+
+    jobs = serve.get_deployment_handle("NNsightJobs", app_name=APP)
+    deadline = time.monotonic() + timeout_s
+    while jobs.tenant.remote("cooling_s", "mallory").result(timeout_s=30) > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+
+
+def test_serve_routes_past_an_engine_a_remote_job_holds(served, client, local_llama):
+    """A remote=True job returns at once, so its replica's queue looks empty while its block holds the
+    engine (here up to its own block_timeout_s=8); Serve's router, reading each engine's step clock,
+    sends new traces to the other replica meanwhile, so they do not wait for the stop."""
+    from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
+
+    prompts = [f"routed {i}" for i in range(4)]
+    want = {p: layer_and_logits(local_llama, p)[0] for p in prompts}
+
+    def runaway():
+        backend = RemoteBackend(client.to_model_key(), host=served["url"], api_key=MALLORY)
+        with pytest.raises(RemoteError, match="BlockTimeoutError") as raised:
+            with client.trace("A runaway tenant", temperature=0.0, max_tokens=2, block_timeout_s=8.0,
+                              backend=backend):
+                client.model.layers[0].output[0].save()
+                while True:
+                    pass
+        return str(raised.value)
+
+    with ThreadPoolExecutor(1) as pool:
+        began = time.monotonic()
+        bad = pool.submit(runaway)
+        time.sleep(3.5)  # stalled past stalled_after_s (1 s), and a routing-stats poll old
+        for prompt in prompts:
+            sent = time.monotonic()
+            assert_close(layer_and_logits(client, prompt, **on(served))[0], want[prompt])
+            assert time.monotonic() - sent < 2.0, f"{prompt!r} waited {time.monotonic() - sent:.1f} s"
+        assert time.monotonic() - began < 7.5, "the neighbours ran after the stop: the test proves nothing"
+        message = bad.result(timeout=120)
+    assert "block_timeout_s=8 " in message  # the trace's own deadline, carried through remote=True
+    assert set(engine_request_counts(APP)) == {0}
+    cool_down_over(served, timeout_s=60)
 
 
 # --------------------------------------------------------------------------- OpenAI's client: chat, streams, models, named edits

@@ -20,6 +20,7 @@ from nnsight_ray.serve import ServeArgs, ServeArgsError
 from nnsight_ray.serve.jobs import JobBook, JobLimits, UnknownSession
 from nnsight_ray.serve.remote import KeyRefused, ModelKeys, RemoteRoutes, describe_error, encode_result
 from nnsight_ray.serve.security import GuardMiddleware
+from nnsight_ray.serve.tenants import TenantBook
 
 URL = "http://example:8000"
 
@@ -244,10 +245,24 @@ def fake_replica():
         client.__exit__(None, None, None)
 
 
-def replica(run_trace, build=lambda model, payload, objects, compress: payload, ready=True, **limits):
+class LocalTenants:
+    """``job_store.TenantsClient`` without Serve: the book in this process."""
+
+    def __init__(self, penalty: float) -> None:
+        self.book = TenantBook(penalty)
+
+    async def admit(self, tenant):
+        return self.book.admit(tenant)
+
+    async def end(self, tenant, error, tracked):
+        self.book.end(tenant, error, tracked)
+
+
+def replica(run_trace, build=lambda model, payload, objects, compress: payload, ready=True, api_key="k3y",
+            penalty=0.0, **limits):
     host = SimpleNamespace(name="r1", model=None, persistent_objects={},
                            limits=JobLimits(**{"inline_result_bytes": 1 << 20, **limits}), public_url=None,
-                           jobs=LocalJobs(JobBook()), run_trace=run_trace, ended=[])
+                           jobs=LocalJobs(JobBook()), run_trace=run_trace, ended=[], tenants=LocalTenants(penalty))
     host.job_ended = lambda size, error_type: host.ended.append((size, error_type))
 
     def check_ready():
@@ -256,7 +271,7 @@ def replica(run_trace, build=lambda model, payload, objects, compress: payload, 
 
     host.ready = check_ready
     app = FastAPI()
-    app.add_middleware(GuardMiddleware, api_key="k3y", max_body_bytes=1 << 20)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=1 << 20)
     RemoteRoutes(host, ModelKeys(["/m"]), build=build).mount(app)
     return host, TestClient(app)
 
@@ -316,11 +331,11 @@ def test_a_failing_trace_ends_in_error_and_a_refused_key_or_model_never_runs(fak
     assert post(starting).status_code == 503
 
 
-def final(client, job: str) -> dict:
+def final(client, job: str, key: str = "k3y") -> dict:
     import time
 
     deadline = time.monotonic() + 10
-    while (answer := client.get(f"/response/{job}", headers={"ndif-api-key": "k3y"}).json())["status"] not in (
+    while (answer := client.get(f"/response/{job}", headers={"ndif-api-key": key}).json())["status"] not in (
             "COMPLETED", "ERROR"):
         assert time.monotonic() < deadline, answer
         time.sleep(0.02)
@@ -357,6 +372,36 @@ def test_every_way_a_job_can_fail_still_ends_it(fake_replica):
     host, client = fake_replica(stopped_block)
     answer = final(client, post(client).json()["id"])
     assert "block_timeout_s=5" in answer["description"] and "job_timeout_s" not in answer["description"]
+
+
+def test_a_tenant_whose_block_was_stopped_is_refused_for_a_while_and_others_are_not(fake_replica):
+    """Each tenant its own key: the one whose block ran away gets 429 with Retry-After on its next job,
+    for runaway_penalty x the time the block held the engine; another tenant's jobs go on."""
+    from nnsight_ray.errors import block_held, intervention_error
+
+    async def run_trace(built):
+        if built == b"runaway":
+            message = f"request r: {block_held(2.0)} from its start ...; the limit is block_timeout_s=2"
+            raise intervention_error({"type_name": "BlockTimeoutError", "message": message}, message)
+        return {"h": torch.ones(1)}
+
+    keys = {"alice": "a-key", "mallory": "m-key"}
+    host, client = fake_replica(run_trace, build=lambda model, payload, objects, compress: payload,
+                                api_key=keys, penalty=3.0)
+
+    def job(key, blob=b"trace"):
+        from nnsight.schema.request import RequestModel
+
+        data = RequestModel(model_key="nnsight_ray.local.LocalVLLM:/m", session_id="", compress=False).metadata()
+        return client.post("/request", data={"data": data}, files={"blob": ("request", blob, "application/octet-stream")},
+                           headers={"ndif-api-key": key})
+
+    answer = final(client, job("m-key", b"runaway").json()["id"], "m-key")
+    assert answer["status"] == "ERROR" and "BlockTimeoutError" in answer["description"]
+    refused = job("m-key")
+    assert refused.status_code == 429 and "tenant 'mallory'" in refused.json()["detail"]
+    assert 5 <= int(refused.headers["retry-after"]) <= 6  # 3 x 2.0 s
+    assert final(client, job("a-key").json()["id"], "a-key")["status"] == "COMPLETED"
 
 
 def test_a_trace_stopped_early_completes_with_what_it_saved(fake_replica):

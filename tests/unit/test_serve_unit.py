@@ -17,6 +17,7 @@ import torch
 from nnsight_ray.serve import ServeArgs, ServeArgsError, build_app, decode_saves
 from nnsight_ray.serve.protocol import CompletionRequest, completion_response, encode_saves, trace_payload
 from nnsight_ray.serve.registry import RegistrationError, Registry
+from nnsight_ray.serve.job_store import TenantsClient
 from nnsight_ray.serve.security import GuardMiddleware, check_api_key, declared_length, presented_key, route_path
 
 
@@ -437,6 +438,7 @@ def replica(state="ready", api_key=None, engine=None, registry=None, model_dir=N
     obj.args = ServeArgs.parse({"model": model_dir or "/m", "max_body_bytes": 4096,
                                 "engine_kwargs": {"max_model_len": 256, "dtype": "float32"}})
     obj.api_key, obj.engine_name, obj.state, obj.error = api_key, "app-replica", state, None
+    obj.tenants = TenantsClient(None, on=False)
     if state == "failed":
         obj.error = "PlacementError: no room"
     tokenizer = None

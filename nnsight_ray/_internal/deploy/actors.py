@@ -25,6 +25,7 @@ from ..cluster.placement import NAMESPACE, PlacementPlan
 from ..engine.core import Report
 from ..merge.book import MergeBook, trace_saves
 from ..observe import metrics
+from ..observe.progress import Progress
 from ..observe.timeline import FETCH, HANDED, MERGED, Timeline, watch_gc, with_gc
 from .records import CLUSTER, DeploymentSpec, forwarded_env, merge_index
 
@@ -220,8 +221,10 @@ class EngineActor:
         # early_ranks: the ranks' processes import vLLM while the engine core's does.
         early = self.early_ranks = start_ranks_early(vllm_config) if early_ranks(vllm_config) else []
         try:
+            progress = Progress()  # its stat logger is vLLM's per-step callback: the engine's step clock
             llm = AsyncLLM.from_vllm_config(vllm_config, usage_context=usage, enable_log_requests=args.enable_log_requests,
-                                            disable_log_stats=args.disable_log_stats)
+                                            disable_log_stats=args.disable_log_stats,
+                                            stat_loggers=[progress.stat_logger()])
         except BaseException:
             for actor in early:  # adopted or not, nothing of them outlives a failed start
                 ray.kill(actor)
@@ -230,7 +233,7 @@ class EngineActor:
         self.resolved = parity.config_summary(llm.vllm_config)
         vllm_up = time.monotonic()
         self.merges = [ray.get_actor(n, namespace=NAMESPACE) for n in spec.merge_names]
-        self.core = EngineCore(llm, self._notify, self._describe_dead, on_dead=self._tell_merges)
+        self.core = EngineCore(llm, self._notify, self._describe_dead, on_dead=self._tell_merges, progress=progress)
         self.topology = await llm.collective_rpc("nnsight_ray_describe")
         described = time.monotonic()
         context = ray.get_runtime_context()
@@ -328,6 +331,10 @@ class EngineActor:
         core = self._require_core()
         # This process's frozen startup heap (``start``), beside the deployment's liveness.
         return {**await self.watch.health(core, time.monotonic() - self.started), "gc_frozen": gc.get_freeze_count()}
+
+    def load(self) -> dict[str, Any]:
+        """Requests in flight and seconds without a finished step while they wait (Serve's router reads it)."""
+        return self._require_core().load()
 
     async def shutdown(self) -> None:
         # The executor releases the rank placement group; if vLLM stopped its

@@ -40,6 +40,7 @@ from ...errors import EngineDeadError, RequestError
 from ..observe import metrics
 from . import render
 from .render import render_batch, render_batches
+from ..observe.progress import Progress
 from ..observe.timeline import ADDED, COLLECT, ENDED, RENDER, SUBMIT, Timeline, watch_gc
 
 logger = logging.getLogger(__name__)
@@ -148,8 +149,10 @@ class EngineCore:
     """One vLLM ``AsyncLLM`` with nnsight's workers on Ray rank actors."""
 
     def __init__(self, llm: Any, notify: Notify, describe_dead: DescribeDead,
-                 on_dead: Callable[[EngineDeadError], None] | None = None) -> None:
+                 on_dead: Callable[[EngineDeadError], None] | None = None, progress: Progress | None = None) -> None:
         self.llm = llm
+        # Steps finished (vLLM's stat-logger seam, wired by the engine actor) against work waiting.
+        self.progress = progress or Progress()
         self.notify = notify
         self.describe_dead = describe_dead
         self.on_dead = on_dead
@@ -171,6 +174,11 @@ class EngineCore:
         # Submits, adds and ends, for a run's timeline (``timeline.summarize``).
         self.timeline = Timeline()
         watch_gc()
+
+    def load(self) -> dict[str, Any]:
+        """Requests not yet handed over, and how long the engine has gone without a step while they wait."""
+        in_flight = len(self._unreported)
+        return {"in_flight": in_flight, "stalled_s": self.progress.stalled_s(in_flight)}
 
     # -- submit -------------------------------------------------------------
 
@@ -303,6 +311,7 @@ class EngineCore:
 
     def _track(self, group: str, index: int, param: Any = None) -> Report:
         report = Report(group, index, f"{group}-{index}", carries_block=carries_block(param))
+        self.progress.busy(was_idle=not self._unreported)
         self._unreported[report.request_id] = report
         return report
 

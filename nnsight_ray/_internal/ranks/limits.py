@@ -15,7 +15,7 @@ bytecode boundary the block runs, so it stops Python loops, deep recursion and
 anything that returns to Python (a ``time.sleep`` when it wakes, a torch op when
 it ends); it does not interrupt one C call. ``BlockStopped`` derives from
 ``BaseException`` so the block's own ``except Exception`` does not swallow it;
-on its way out of the block it becomes a ``TimeoutError`` whose message names
+on its way out of the block it becomes a ``BlockTimeoutError`` (a ``TimeoutError``) whose message names
 the request, the limit and how to raise it, and nnsight's deferred errors end
 that request only (the engine's interleaver runs with ``defer_exceptions``):
 the other requests of the batch go on with their values.
@@ -45,6 +45,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable
 
+from ...errors import BlockTimeoutError, block_held
 from ..blocks.classes import extend
 
 logger = logging.getLogger(__name__)
@@ -255,7 +256,7 @@ class LimitedMediator:
                 WATCHDOG.running.pop(key, None)
                 raise
             self._account(switch)
-            raise TimeoutError(self._stopped_message(switch)) from None
+            raise BlockTimeoutError(self._stopped_message(switch)) from None
 
     def _leave(self, switch: Switch, key: int) -> None:
         """End a switch the block left on its own; if the watchdog claimed it first, wait here for its stop."""
@@ -282,7 +283,7 @@ class LimitedMediator:
             limit = (f"block_total_timeout_s={limits.block_total_timeout_s:g} (the most a block may run over its "
                      f"whole request; {self.nnsight_ray_used_s:.1f} s used)")
         where = f"after it was handed {switch.where}" if switch.where else "from its start"
-        return (f"request {self.nnsight_ray_request}: its intervention block was stopped after running {ran:.1f} s "
+        return (f"request {self.nnsight_ray_request}: {block_held(ran)} "
                 f"{where} without giving the model its thread back; the limit is {limit}. Other requests were not "
                 f"affected. Raise it per trace with trace(..., block_timeout_s=..., block_total_timeout_s=...) up "
                 f"to the engine's max_block_timeout_s={limits.max_block_timeout_s:g}.")
