@@ -166,6 +166,22 @@ def test_a_runaway_block_is_stopped_and_its_neighbours_keep_their_values(rayvllm
         bad.collect(timeout=120)
 
 
+def test_an_out_of_memory_in_a_block_fails_its_request_and_the_kv_cache_survives(engine, hf):
+    """A block asking the GPU for a petabyte gets torch's OutOfMemoryError as its own request's error; the
+    engine's KV cache (allocated at start) is untouched, so the next trace's logits are exact."""
+    kind, model = engine
+    with pytest.raises(Exception, match="out of memory|OutOfMemoryError") as failed:
+        with model.trace(PROMPTS[0], temperature=0.0, max_tokens=1):
+            first = model.model.layers[0].output[0]
+            import torch as t
+
+            t.empty(1 << 50, dtype=t.uint8, device=first.device)
+    assert isinstance(failed.value, RuntimeError)
+    with model.trace(PROMPTS[1], temperature=0.0, max_tokens=1):
+        logits = model.logits.save()
+    assert_close(logits[-1], hf.run(PROMPTS[1])["logits"], what=f"{kind} after an out-of-memory")
+
+
 def test_non_blocking_ref_resolves_here_and_in_a_task(rayvllm, hf):
     with rayvllm.trace(PROMPTS[0], temperature=0.0, max_tokens=1, blocking=False) as tracer:
         out = rayvllm.model.layers[2].output.save()

@@ -1,7 +1,7 @@
 """One tenant's block never stops the engine for the others (real engines: RayVLLM TP=1 and TP=2, LocalVLLM).
 
 A bad trace (a spinning block, one that catches ``Exception`` and spins on, one that sleeps past its
-budget, deep recursion, a raise, saves over the engine's byte limit) is submitted first; eight
+budget, deep recursion, a raise, an allocation the host cannot give, saves over the engine's byte limit) is submitted first; eight
 well-behaved traces follow while it runs. Their values must equal the single-device reference, their
 wait must stay within the bad block's budget plus 5 s, the bad trace must fail with a message that
 says what and why, and no request may be left on any rank.
@@ -53,6 +53,10 @@ def runaway(model, kind, **how):
             down(0)
         elif kind == "raise":
             raise ValueError("a tenant's own bug")
+        elif kind == "huge allocation":
+            import torch as t
+
+            t.empty(1 << 50, dtype=t.uint8, device=first.device)  # a petabyte: the allocator refuses it
         elif kind == "big saves":
             import torch as t
 
@@ -78,6 +82,7 @@ EXPECTED = {
     "sleep": (TimeoutError, "block_timeout_s=1 "),
     "recursion": (RecursionError, "maximum recursion depth"),
     "raise": (ValueError, "a tenant's own bug"),
+    "huge allocation": (RuntimeError, "allocate"),
     "big saves": (MemoryError, "max_save_bytes=33,554,432"),
 }
 
