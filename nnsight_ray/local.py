@@ -128,7 +128,7 @@ class LocalVLLM(VLLM):
         from contextlib import nullcontext
 
         from ._internal.blocks import envoy_refs
-        from ._internal.blocks.shared_blocks import shared_reductions
+        from ._internal.blocks.shared_blocks import one_object_per_payload, shared_reductions
         from ._internal.observe.timeline import ATTACHED, CALLER
 
         began = time.monotonic()
@@ -136,6 +136,7 @@ class LocalVLLM(VLLM):
         refs = envoy_refs.same_tree_as_ranks(self, self._pipeline_stages())
         with shared_reductions(self.interleaver.mediators), envoy_refs.by_reference(self) if refs else nullcontext():
             mediators = super()._attach_mediators(params, **kwargs)
+        one_object_per_payload(params)
         for param in params:
             mine = {**asked, **getattr(param, "nnsight_ray_limits", {})}
             if mine:

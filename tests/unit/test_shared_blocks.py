@@ -15,11 +15,11 @@ with tracer.invoke(text):
 """
 
 
-def workers(n: int):
+def workers(n: int, block: str = BLOCK):
     """``n`` invokes of one block (one AST node), as a loop of ``tracer.invoke`` builds them."""
     from nnsight.intervention.interleaver import Mediator
 
-    node = ast.parse(BLOCK).body[0]
+    node = ast.parse(block).body[0]
     code = compile(ast.Module(body=node.body, type_ignores=[]), "<block>", "exec")
     glbls = {"model": "the-model", "layer": 3, "unused_global": object()}
     return [Mediator(code, glbls, {"text": f"prompt {i}", "scale": i, "tracer": None}, node=node) for i in range(n)]
@@ -149,3 +149,67 @@ def test_a_name_bound_before_it_is_read_does_not_ship_its_old_value(body, shippe
         state = mediators[0].__getstate__()
     assert set(state["reduced"][2]) - {"x"} == shipped
     assert "x" in state["reduced"][2] or "x" not in body
+
+
+def test_equal_payloads_become_one_object_so_the_requests_pickle_it_once():
+    import pickle
+    from types import SimpleNamespace
+
+    from nnsight_ray._internal.blocks.shared_blocks import one_object_per_payload
+
+    blob = bytes(1500)
+    params = [SimpleNamespace(extra_args={"nnsight_mediator": bytes(bytearray(blob)), "other": i}) for i in range(8)]
+    params += [SimpleNamespace(extra_args=None), SimpleNamespace(extra_args={"nnsight_mediator": b"another"})]
+    before = len(pickle.dumps([p.extra_args for p in params]))
+    assert len({id(p.extra_args["nnsight_mediator"]) for p in params[:8]}) == 8  # as nnsight's attach leaves them
+    one_object_per_payload(params)
+    shared = {id(p.extra_args["nnsight_mediator"]) for p in params[:8]}
+    assert len(shared) == 1 and params[0].extra_args["nnsight_mediator"] == blob
+    assert params[9].extra_args["nnsight_mediator"] == b"another" and params[8].extra_args is None
+    assert [p.extra_args["other"] for p in params[:8]] == list(range(8))
+    assert len(pickle.dumps([p.extra_args for p in params])) < before - 6 * len(blob)
+
+
+def test_a_rank_reads_an_immutable_shared_state_once_and_gives_each_invoke_its_own_scope(monkeypatch):
+    """Equal blobs in one ``Requests.add``: a state of numbers, strings and envoy references is loaded once
+    (each worker gets its own scope dicts over those values); one holding a list is loaded per invoke."""
+    from nnsight.intervention import serialization
+    from nnsight.intervention.serialization import dumps, loads
+
+    from nnsight_ray._internal.blocks.block_names import _unpickling_with
+    from nnsight_ray._internal.blocks.shared_blocks import shared_reductions
+
+    class Envoy:
+        pass
+
+    caller_side, rank_side = Envoy(), Envoy()
+    caller_side._persistent_id = "Envoy:model.layers.3"
+    from nnsight.tracing.tracer import Tracer
+
+    immutable, mutable = workers(3, BLOCK.replace("h = h.save()", "h = h.save()\n    tracer.stop()")), workers(3)
+    shared_list, tracer = [], Tracer()
+    for m in immutable:
+        m.glbls["model"], m.lcls["scale"], m.lcls["tracer"] = caller_side, 1.5, tracer
+    for m in mutable:
+        m.glbls["model"], m.lcls["scale"] = caller_side, shared_list
+    with shared_reductions(immutable + mutable):
+        blobs = [dumps(m) for m in immutable + mutable]
+    loads_calls = []
+    real_loads = serialization.loads
+    monkeypatch.setattr(serialization, "loads",  # the rank's reads of the shared state (the blobs' own are not counted)
+                        lambda data, *a, **k: loads_calls.append(len(data)) or real_loads(data, *a, **k))
+    with _unpickling_with({"Envoy:model.layers.3": rank_side}):
+        rebuilt = [loads(b) for b in blobs]
+    assert len(loads_calls) == 1 + 3  # the immutable state once, the one holding a list once per invoke
+    for m in rebuilt[:3]:
+        assert m.glbls["model"] is rank_side and m.lcls["scale"] == 1.5 and type(m.lcls["tracer"]) is Tracer
+    assert len({id(m.lcls["tracer"]) for m in rebuilt[:3]}) == 3  # each invoke its own tracer, as unpickled
+    assert len({id(m.lcls) for m in rebuilt}) == 6 and len({id(m.glbls) for m in rebuilt[:3]}) == 3
+    lists = [m.lcls["scale"] for m in rebuilt[3:]]
+    assert all(v == [] for v in lists) and len({id(v) for v in lists}) == 3  # never one list for two invokes
+    rebuilt[0].presaved.add("h")
+    assert "h" not in rebuilt[1].presaved
+    with _unpickling_with({"Envoy:model.layers.3": rank_side}):  # a later add reads its blobs afresh
+        loads_calls.clear()
+        loads(blobs[0])
+    assert len(loads_calls) == 1
