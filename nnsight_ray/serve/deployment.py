@@ -46,7 +46,7 @@ from .protocol import (RETURN_SAVES_HEADER, CompletionRequest, build_trace, comp
 from .job_store import JobsClient, TenantsClient
 from .registry import RegistrationError, Registry
 from .remote import ModelKeys, RemoteRoutes
-from .routing import STALLED_KEY
+from .routing import routing_stats
 from .security import GuardMiddleware, tenant
 
 __all__ = ["NNsightDeployment", "NNsightRegistry"]
@@ -290,10 +290,7 @@ class NNsightDeployment:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats seam: how long this replica's engine has gone without a step (``routing.py``)."""
-        if self.state != "ready":
-            return {}
-        load = await self.engine.engine.load.remote()
-        return {STALLED_KEY: load["stalled_s"], "nnsight_in_flight": load["in_flight"]}
+        return await routing_stats(self.state, self.engine and self.engine.engine)
 
     async def health(self) -> dict[str, Any]:
         self._ready()

@@ -9,7 +9,8 @@ Each replica reports, through Serve's routing-stats seam
 (``record_routing_stats``, polled every ``ROUTING_STATS_PERIOD_S``), how long
 its engine has gone without finishing a step while it has work
 (``nnsight_stalled_s``, from the engine's step clock,
-``_internal/observe/progress.py``). ``StallAwareRouter`` ranks the replicas
+``_internal/observe/progress.py``). A replica whose engine failed,
+died or does not answer reports ``NEVER``. ``StallAwareRouter`` ranks the replicas
 stalled for ``stalled_after_s`` or more last: a request goes to one of them
 only when every other replica refuses it (full). Among the moving ones it is
 Serve's power of two choices, as by default. Stats are a poll old, so a stall
@@ -23,9 +24,10 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter
 
-__all__ = ["ROUTING_STATS_PERIOD_S", "STALLED_KEY", "StallAwareRouter", "router_config"]
+__all__ = ["NEVER", "ROUTING_STATS_PERIOD_S", "STALLED_KEY", "StallAwareRouter", "router_config", "routing_stats"]
 
 STALLED_KEY = "nnsight_stalled_s"
+NEVER = 1e9  # what a replica whose engine failed, died or does not answer reports: it goes last
 ROUTING_STATS_PERIOD_S = 0.5
 ROUTING_STATS_TIMEOUT_S = 2.0
 
@@ -48,6 +50,17 @@ class StallAwareRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None) -> list[list]:
         moving, stalled = split(candidate_replicas, getattr(self, "stalled_after_s", 2.0))
         return [random.sample(group, min(2, len(group))) for group in (moving, stalled) if group]
+
+
+async def routing_stats(state: str, engine: Any) -> dict[str, float]:
+    """A replica's routing stats: its engine actor's stall (``load``), ``NEVER`` once it failed, died or is gone."""
+    if state == "starting":
+        return {}
+    try:
+        load = await engine.load.remote()
+    except Exception:  # the engine actor is gone: route past this replica until Serve replaces it
+        load = {"dead": True}
+    return {STALLED_KEY: NEVER if load.get("dead") or state != "ready" else float(load["stalled_s"])}
 
 
 def router_config(stalled_after_s: float) -> Any:

@@ -67,9 +67,11 @@ def served(ray_cluster, model_dir):
     # One proxy: the simulated nodes share 127.0.0.1, so proxies on every node
     # would share (and fight over) one port (docs/clusters.md, "Pitfalls").
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    # block_timeout_s: a tenant's runaway block is stopped after 2 s (test_a_runaway_serve_trace_...);
+    # block_timeout_s: a tenant's runaway block is stopped after 2 s (test_a_runaway_serve_trace_...), and
+    # one stuck in a C call fail-stops its engine 3 s after that (test_a_block_stuck_...);
     # two tenants, so a runaway one cools down; a replica whose engine stalls 1 s is routed around.
-    serve.run(build_app({"model": model_dir, "engine_kwargs": {**ENGINE_KWARGS, "block_timeout_s": 2.0},
+    serve.run(build_app({"model": model_dir, "engine_kwargs": {**ENGINE_KWARGS, "block_timeout_s": 2.0,
+                                                                "block_stop_grace_s": 3.0},
                          "num_replicas": 2,
                          "placement_strategy": "SPREAD",
                          "api_key": KEY, "api_keys": {"mallory": MALLORY}, "stalled_after_s": 1.0,
@@ -630,3 +632,31 @@ def test_a_killed_rank_fails_its_requests_and_serve_replaces_the_replica(served,
     for _ in range(4):  # both replicas serve, values as the single-device engine's
         assert_close(layer_and_logits(client, "Hello world", **on(served))[0], want)
     assert victim not in list_deployments()
+
+
+def test_a_block_stuck_past_its_grace_fail_stops_its_engine_and_serve_replaces_the_replica(served, client,
+                                                                                           local_llama):
+    """A block in one C call that never returns (a 60 s sleep) cannot be stopped: 3 s (block_stop_grace_s) after
+    its 2 s budget its rank ends itself, its caller hears why, and Serve replaces the replica within one engine
+    start while the other replica serves on."""
+    want = layer_and_logits(local_llama, "Hello world")[0]
+    before = set(registry_status(APP)["engines"])
+    began = time.monotonic()
+    with pytest.raises(Exception, match="did not stop") as stuck:
+        with client.trace("A stuck tenant", temperature=0.0, max_tokens=2, **on(served, api_key=MALLORY)):
+            client.model.layers[0].output[0].save()
+            import time as clock
+
+            clock.sleep(60)
+    assert time.monotonic() - began < 2.0 + 3.0 + 10, "the caller was not told within the grace"
+    assert "block_stop_grace_s=3" in str(stuck.value)
+    assert_close(layer_and_logits(client, "Hello world", **on(served))[0], want)  # the other replica serves
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        engines = set(registry_status(APP)["engines"])
+        if len(engines) == 2 and len(engines & before) == 1:
+            break
+        assert time.monotonic() < deadline, f"replica not replaced: {engines}"
+        time.sleep(2)
+    for _ in range(4):
+        assert_close(layer_and_logits(client, "Hello world", **on(served))[0], want)

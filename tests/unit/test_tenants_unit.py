@@ -11,7 +11,7 @@ import pytest
 from nnsight_ray.errors import BlockTimeoutError, block_held, held_seconds, intervention_error
 from nnsight_ray._internal.observe.progress import Progress
 from nnsight_ray.serve import ServeArgs, ServeArgsError
-from nnsight_ray.serve.routing import STALLED_KEY, StallAwareRouter, split
+from nnsight_ray.serve.routing import NEVER, STALLED_KEY, StallAwareRouter, routing_stats, split
 from nnsight_ray.serve.security import identify
 from nnsight_ray.serve.tenants import TenantBook
 
@@ -126,6 +126,25 @@ def test_the_router_sends_past_a_stalled_engine_unless_every_engine_is():
         assert len(first) == 2 and replicas[0] not in first and last == [replicas[0]]
     only_stalled = asyncio.run(router.choose_replicas([replicas[0]]))
     assert only_stalled == [[replicas[0]]]
+
+
+def test_a_replica_reports_its_engines_stall_and_never_once_the_engine_is_gone():
+    def engine(answer):
+        async def load():
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        return SimpleNamespace(load=SimpleNamespace(remote=load))
+
+    moving = engine({"in_flight": 2, "stalled_s": 0.25, "dead": False})
+    assert asyncio.run(routing_stats("ready", moving)) == {STALLED_KEY: 0.25}
+    assert asyncio.run(routing_stats("starting", moving)) == {}
+    assert asyncio.run(routing_stats("dead", moving)) == {STALLED_KEY: NEVER}
+    assert asyncio.run(routing_stats("ready", engine({"in_flight": 1, "stalled_s": 0.0, "dead": True}))) == {
+        STALLED_KEY: NEVER}
+    assert asyncio.run(routing_stats("ready", engine(RuntimeError("actor died")))) == {STALLED_KEY: NEVER}
+    assert asyncio.run(routing_stats("failed", None)) == {STALLED_KEY: NEVER}
 
 
 def test_the_step_clock_counts_a_stall_only_while_work_waits():

@@ -176,9 +176,9 @@ class EngineCore:
         watch_gc()
 
     def load(self) -> dict[str, Any]:
-        """Requests not yet handed over, and how long the engine has gone without a step while they wait."""
+        """Requests not yet handed over, how long the engine has gone without a step while they wait, and if dead."""
         in_flight = len(self._unreported)
-        return {"in_flight": in_flight, "stalled_s": self.progress.stalled_s(in_flight)}
+        return {"in_flight": in_flight, "stalled_s": self.progress.stalled_s(in_flight), "dead": self.dead is not None}
 
     # -- submit -------------------------------------------------------------
 
