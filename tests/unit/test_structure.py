@@ -33,6 +33,7 @@ LAYERS: list[list[str]] = [
     ["nnsight_ray.streaming"],
     ["nnsight_ray.ray_vllm"],
     ["nnsight_ray.batch", "nnsight_ray.serve"],
+    ["nnsight_ray.data"],
     ["nnsight_ray.demo", "nnsight_ray.compare_layouts"],
     ["nnsight_ray.cli"],
     ["nnsight_ray"],

@@ -1,0 +1,154 @@
+"""``NNsightEngineProcessorConfig``: Ray Data LLM's processor config, with an intervention.
+
+A subclass of Ray Data LLM's offline processor config (``model_source``,
+``batch_size``, ``concurrency``, ``should_continue_on_error``,
+``max_concurrent_batches``, ``runtime_env``, ``accelerator_type``, ...), so
+``ray.data.llm.build_processor`` takes it like its own (``processor``
+registers the builder). What it adds is what the batch runner's config has:
+``engine_kwargs`` (vLLM's arguments, as they are), and exactly one of
+``saves`` (``[{location, tokens}]``, the batch config's ``SaveSpec``) or
+``intervention`` (``intervene(model, tracer) -> dict``: a callable, or a
+``.py`` file defining it).
+
+Validation here is of shapes and values only, so a config is checked in
+microseconds anywhere; what needs vLLM (engine argument names, locations on the
+model's tree) is checked by ``build_processor``'s preflight, before any engine
+starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import Field, field_validator, model_validator
+from ray.llm._internal.batch.processor.base import OfflineProcessorConfig
+
+from ..batch.config import SaveSpec
+
+__all__ = ["NNsightEngineProcessorConfig", "SaveSpec"]
+
+# Engine arguments this stage owns, with where the choice is made instead.
+_RESERVED_ENGINE_KWARGS = {
+    "model": "model_source",
+    "distributed_executor_backend": "(one in-process engine per actor: nnsight_ray chooses)",
+    "placement_strategy": "(TP x PP > 1 is not supported by nnsight_ray.data yet)",
+    "cpus_per_rank": "num_cpus",
+    "gpus_per_rank": "num_gpus",
+}
+# Ray Data LLM's CPU stages around the engine. This engine stage reads `prompt` (or `tokenized_prompt`)
+# and detokenizes itself; the others are not wired up yet.
+_STAGES = ("chat_template_stage", "tokenize_stage", "detokenize_stage", "prepare_multimodal_stage")
+
+
+class NNsightEngineProcessorConfig(OfflineProcessorConfig):
+    """Ray Data LLM's vLLM processor config, plus the saves or the intervention each row runs.
+
+    Example::
+
+        config = NNsightEngineProcessorConfig(
+            model_source="/models/llama", engine_kwargs={"max_model_len": 2048},
+            concurrency=1, batch_size=16,
+            saves=[{"location": "model.layers.1.output", "tokens": "last"}])
+    """
+
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM engine arguments, as they are (LocalVLLM's keywords)."
+    )
+    saves: list[SaveSpec] | None = Field(
+        None, description="Values to save per row, each a column: [{location, tokens}] (or use `intervention`)."
+    )
+    intervention: str | Callable[..., Any] | None = Field(
+        None, description="intervene(model, tracer) -> {name: value}, each name a column: a callable, "
+        "or a .py file defining `intervene`."
+    )
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine actor.")
+    num_gpus: float | None = Field(
+        None, ge=0, description="GPUs Ray reserves for each engine actor; default 1 with accelerator_type, else 0."
+    )
+    # Ray Data LLM's defaults are True; the engine stage here reads `prompt` and returns `generated_text`.
+    chat_template_stage: Any = Field(False, description="Not supported yet: give `prompt` in preprocess.")
+    tokenize_stage: Any = Field(False, description="Not supported yet: the engine tokenizes `prompt`.")
+    detokenize_stage: Any = Field(False, description="Not needed: `generated_text` comes from the engine.")
+    prepare_multimodal_stage: Any = Field(False, description="Not supported.")
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _engine_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key, owner in _RESERVED_ENGINE_KWARGS.items():
+            if key in value:
+                raise ValueError(f"engine_kwargs.{key} is not allowed here; use {owner}")
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if int(value.get(key) or 1) != 1:
+                raise ValueError(f"engine_kwargs.{key}={value[key]}: nnsight_ray.data runs one single-rank engine "
+                                 "per actor for now (TP x PP = 1); use nnsight_ray.batch or RayVLLM for larger layouts")
+        return value
+
+    @field_validator(*_STAGES)
+    @classmethod
+    def _stage_off(cls, value: Any, info: Any) -> Any:
+        enabled = value.get("enabled", True) if isinstance(value, dict) else getattr(value, "enabled", value)
+        if enabled:
+            raise ValueError(f"{info.field_name}: not supported by nnsight_ray.data yet; have preprocess return "
+                             "`prompt` (text) or `tokenized_prompt` (token ids) and `sampling_params`")
+        return value
+
+    @field_validator("max_pending_requests")
+    @classmethod
+    def _no_pending_limit(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("max_pending_requests: not used by nnsight_ray.data (each batch is one trace of "
+                             "batch_size requests); tune batch_size and max_concurrent_batches")
+        return value
+
+    @field_validator("intervention")
+    @classmethod
+    def _intervention(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if Path(value).suffix != ".py":
+                raise ValueError(f"{value!r} should be a .py file defining intervene(model, tracer)")
+        elif value is not None:
+            check_intervene(value)
+        return value
+
+    @model_validator(mode="after")
+    def _saves_or_intervention(self) -> "NNsightEngineProcessorConfig":
+        if bool(self.saves) == (self.intervention is not None):
+            raise ValueError(
+                "give exactly one of `saves` (a list of {location, tokens}) or `intervention` "
+                f"(intervene(model, tracer) or a .py file); got saves={'set' if self.saves else 'empty'} "
+                f"and intervention={self.intervention!r}"
+            )
+        seen: set[str] = set()
+        for spec in self.saves or []:
+            if spec.location in seen:
+                raise ValueError(f"saves: {spec.location!r} is listed twice")
+            seen.add(spec.location)
+        return self
+
+    @property
+    def columns(self) -> list[str]:
+        """The save columns (``saves``' locations); an intervention's are the names it returns."""
+        return [spec.location for spec in self.saves or []]
+
+    def gpus(self) -> float:
+        """GPUs per engine actor: as set; else 1 with an ``accelerator_type``, 0 without."""
+        if self.num_gpus is not None:
+            return self.num_gpus
+        return 1.0 if self.accelerator_type else 0.0
+
+
+def check_intervene(intervene: Any) -> None:
+    """Raise ``ValueError`` unless ``intervene`` can be called as ``intervene(model, tracer)``."""
+    if not callable(intervene):
+        raise ValueError(f"intervention: expected a callable or a .py path, got {type(intervene).__name__}")
+    try:
+        signature = inspect.signature(intervene)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: it may still take two arguments
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(intervene, "__name__", type(intervene).__name__)
+        raise ValueError(f"intervention: {name}{signature} cannot be called as intervene(model, tracer)") from None

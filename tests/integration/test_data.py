@@ -1,0 +1,134 @@
+"""nnsight_ray.data end to end: Ray Data's own ``build_processor`` over a Parquet file, checked against LocalVLLM.
+
+- every save column (a layer's last token, a layer's every token, the logits)
+  equals the same trace on the in-process ``local_llama``, in the model's dtype,
+  next to the same greedy tokens and text;
+- with ``should_continue_on_error``, a row whose intervention raises carries
+  ``__inference_error__`` = ``"ValueError: <message>"``, a row vLLM refuses
+  carries vLLM's, and every other row is exact.
+
+Each test runs one Ray Data pipeline on the session's Ray cluster (one engine
+actor each, ``concurrency=1``).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import ENGINE_KWARGS, assert_close
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 4
+SAVES = [
+    {"location": "model.layers.1.output", "tokens": "last"},
+    {"location": "model.layers.3.output", "tokens": "all"},
+    {"location": "logits", "tokens": "last"},
+]
+PROMPTS = ["Hello, world!", "The capital of France is", "1 2 3 4 5", "Hi", "abc def ghi jkl", "Ray and vLLM"]
+
+
+def write_prompts(path, prompts) -> str:
+    pq.write_table(pa.table({"id": [f"q{i}" for i in range(len(prompts))], "text": prompts}), path)
+    return str(path)
+
+
+def run(config, path, keep):
+    """The processor of ``config`` (through ``ray.data.llm.build_processor``) over the Parquet file: rows by id."""
+    import ray
+    from ray.data.llm import build_processor
+
+    from nnsight_ray.data import NNsightEngineProcessorConfig  # noqa: F401  (registers the builder)
+
+    processor = build_processor(
+        config,
+        preprocess=lambda row: {"prompt": row["text"],
+                                "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0.0}},
+        postprocess=lambda row: {name: row[name] for name in keep},
+    )
+    ds = processor(ray.data.read_parquet(path)).materialize()  # run once: schema() and take_all() read the blocks
+    return {row["id"]: row for row in ds.take_all()}, ds
+
+
+def reference(local, prompt: str) -> dict:
+    """The same values from nnsight's in-process engine: residual streams (hidden + residual), logits, greedy output."""
+    with local.trace(prompt, temperature=0.0, max_tokens=MAX_TOKENS) as tracer:
+        one, three = local.model.layers[1].output, local.model.layers[3].output
+        h1 = (one[0] + one[1])[-1].clone().save()
+        h3 = (three[0] + three[1]).clone().save()
+        logits = local.logits[-1].clone().save()
+        result = tracer.result.save()
+    return {"model.layers.1.output": h1, "model.layers.3.output": h3, "logits": logits,
+            "generated_tokens": list(result.outputs[0].token_ids), "generated_text": result.outputs[0].text,
+            "prompt_token_ids": list(result.prompt_token_ids)}
+
+
+def test_save_columns_equal_local_traces(ray_cluster, local_llama, model_dir, tmp_path):
+    from nnsight_ray.data import NNsightEngineProcessorConfig
+
+    config = NNsightEngineProcessorConfig(model_source=model_dir, engine_kwargs=dict(ENGINE_KWARGS), concurrency=1,
+                                          batch_size=4, saves=SAVES)
+    columns = [save["location"] for save in SAVES]
+    keep = ["id", "generated_text", "generated_tokens", "prompt_token_ids", "num_generated_tokens", *columns]
+    rows, ds = run(config, write_prompts(tmp_path / "prompts.parquet", PROMPTS), keep)
+
+    assert sorted(rows) == [f"q{i}" for i in range(len(PROMPTS))]
+    schema = ds.schema()
+    for name in columns:  # tensor columns in the model's dtype (float32 here)
+        described = str(schema.types[schema.names.index(name)]).lower()
+        assert "tensor" in described and "float" in described and "double" not in described, schema
+    for i, prompt in enumerate(PROMPTS):
+        row, want = rows[f"q{i}"], reference(local_llama, prompt)
+        assert list(row["prompt_token_ids"]) == want["prompt_token_ids"]
+        assert list(row["generated_tokens"]) == want["generated_tokens"] and row["num_generated_tokens"] == MAX_TOKENS
+        assert row["generated_text"] == want["generated_text"]
+        tokens = len(want["prompt_token_ids"])
+        for name in columns:
+            got = row[name]
+            assert got.dtype.name == "float32", (name, got.dtype)
+            assert got.shape == tuple(want[name].shape), (name, got.shape, tuple(want[name].shape))
+            assert_close(torch.from_numpy(got.copy()), want[name], rel=1e-4)
+        assert row["model.layers.3.output"].shape == (tokens, 128)
+
+
+def test_a_failing_row_is_its_own_error_and_the_others_are_exact(ray_cluster, local_llama, model_dir, tmp_path):
+    from nnsight_ray.data import NNsightEngineProcessorConfig
+
+    intervention = tmp_path / "iv.py"
+    intervention.write_text(
+        "def intervene(model, tracer):\n"
+        "    out = model.model.layers[2].output\n"
+        "    hidden = out[0] + out[1]\n"
+        "    if hidden.shape[0] == 7:\n"
+        "        raise ValueError(f'seven tokens: {hidden.shape[0]}')\n"
+        "    return {'h2': hidden[-1], 'top': model.logits[-1].argmax()}\n"
+    )
+    prompts = ["Hello, world!", "seven!!", "1 2 3 4 5", "Hi", "x" * 300]
+    assert [len(local_llama.tokenizer(p)["input_ids"]) for p in prompts].count(7) == 1
+    config = NNsightEngineProcessorConfig(model_source=model_dir, engine_kwargs=dict(ENGINE_KWARGS), concurrency=1,
+                                          batch_size=8, should_continue_on_error=True, intervention=str(intervention))
+    keep = ["id", "generated_tokens", "h2", "top"]
+    rows, _ = run(config, write_prompts(tmp_path / "prompts.parquet", prompts), keep)
+
+    assert sorted(rows) == [f"q{i}" for i in range(len(prompts))]
+    # Error rows bypass postprocess (Ray Data LLM's rule): they carry the whole row and the error.
+    assert rows["q1"]["__inference_error__"] == "ValueError: seven tokens: 7"
+    assert rows["q1"]["text"] == "seven!!" and rows["q1"].get("h2") is None
+    refused = rows["q4"]["__inference_error__"]  # vLLM refuses the prompt: that row's error, not the batch's
+    assert "maximum context length" in refused or "300" in refused, refused
+    for key in ("q0", "q2", "q3"):
+        row = rows[key]
+        prompt = prompts[int(key[1:])]
+        assert row["__inference_error__"] == ""
+        with local_llama.trace(prompt, temperature=0.0, max_tokens=MAX_TOKENS) as tracer:
+            out = local_llama.model.layers[2].output
+            h2 = (out[0] + out[1])[-1].clone().save()
+            top = local_llama.logits[-1].argmax().save()
+            result = tracer.result.save()
+        assert row["h2"].dtype.name == "float32"
+        assert_close(torch.from_numpy(row["h2"].copy()), h2, rel=1e-4)
+        assert int(row["top"]) == int(top)
+        assert list(row["generated_tokens"]) == list(result.outputs[0].token_ids)

@@ -1,0 +1,242 @@
+"""nnsight_ray.data without an engine or a cluster: the config, rows in and out, the builder, failure isolation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from nnsight_ray.data import NNsightEngineProcessorConfig, build_processor
+from nnsight_ray.data import columns, stage
+from nnsight_ray.data.columns import ARRAY, ERROR
+from nnsight_ray.errors import RequestError, intervention_error
+
+SAVE = {"location": "model.layers.1.output", "tokens": "last"}
+
+
+def config(**kwargs):
+    kwargs.setdefault("model_source", "/models/tiny")
+    if "intervention" not in kwargs:
+        kwargs.setdefault("saves", [SAVE])
+    return NNsightEngineProcessorConfig(**kwargs)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_takes_ray_data_llm_fields_and_saves():
+    made = config(concurrency=(1, 2), batch_size=16, should_continue_on_error=True, engine_kwargs={"dtype": "float32"})
+    assert made.columns == ["model.layers.1.output"] and made.saves[0].tokens == "last"
+    assert made.get_concurrency() == {"min_size": 1, "max_size": 2}
+    assert (made.chat_template_stage, made.tokenize_stage, made.detokenize_stage) == (False, False, False)
+    assert made.gpus() == 0.0 and config(accelerator_type="H100").gpus() == 1.0 and config(num_gpus=0.5).gpus() == 0.5
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"saves": None}, "exactly one of `saves`"),
+    ({"saves": [SAVE], "intervention": lambda model, tracer: {}}, "exactly one of `saves`"),
+    ({"saves": [{"location": "model.layers.1"}]}, "ending in '.output' or '.input'"),
+    ({"saves": [SAVE, SAVE]}, "listed twice"),
+    ({"saves": [{"location": "logits", "tokens": "first"}]}, "tokens"),
+    ({"intervention": lambda model: {}}, "cannot be called as intervene(model, tracer)"),
+    ({"intervention": "intervene.txt"}, "should be a .py file"),
+    ({"intervention": 3}, "intervention"),
+    ({"engine_kwargs": {"tensor_parallel_size": 2}}, "TP x PP = 1"),
+    ({"engine_kwargs": {"pipeline_parallel_size": 2}}, "TP x PP = 1"),
+    ({"engine_kwargs": {"model": "other"}}, "use model_source"),
+    ({"chat_template_stage": True}, "chat_template_stage: not supported"),
+    ({"tokenize_stage": {"enabled": True}}, "tokenize_stage: not supported"),
+    ({"max_pending_requests": 8}, "max_pending_requests"),
+    ({"concurrency": 0}, "positive integer"),
+    ({"sves": [SAVE]}, "sves"),
+])
+def test_config_refuses(kwargs, words):
+    with pytest.raises(ValidationError) as error:
+        config(**kwargs)
+    assert words in str(error.value)
+
+
+def test_config_accepts_a_callable_or_a_file(tmp_path):
+    assert config(intervention=lambda model, tracer: {}).columns == []
+    assert config(intervention=str(tmp_path / "intervene.py")).intervention.endswith("intervene.py")
+    assert config(engine_kwargs={"tensor_parallel_size": 1}).engine_kwargs == {"tensor_parallel_size": 1}
+
+
+# --------------------------------------------------------------------------- rows in
+
+
+def test_request_reads_prompt_and_sampling():
+    prompt, sampling = columns.request({"prompt": "Hi", "sampling_params": {"max_tokens": np.int64(4),
+                                                                            "temperature": 0.0, "top_k": None,
+                                                                            "stop": np.array(["x"])}})
+    assert prompt == "Hi" and sampling == {"max_tokens": 4, "temperature": 0.0, "stop": ["x"]}
+    assert isinstance(sampling["max_tokens"], int)
+    prompt, sampling = columns.request({"prompt": "ignored", "tokenized_prompt": np.array([5, 6, 7])})
+    assert prompt == [5, 6, 7] and sampling == {}
+
+
+@pytest.mark.parametrize("row", [{"prompt": ""}, {"prompt": None}, {"tokenized_prompt": []}, {"text": "Hi"},
+                                 {"prompt": "Hi", "sampling_params": [1, 2]}])
+def test_request_refuses_a_row_without_a_prompt(row):
+    with pytest.raises(ValueError):
+        columns.request(row)
+
+
+# --------------------------------------------------------------------------- rows out
+
+
+def test_saved_values_cross_arrow_in_their_dtype_and_shape():
+    """Through Ray Data's own block conversion: a 1-D array in the row's struct, back as the ndarray it was."""
+    from ray.data.block import BlockAccessor
+
+    values = {
+        "model.layers.1.output": torch.arange(6, dtype=torch.float32),
+        "all": torch.arange(12, dtype=torch.float16).reshape(3, 4),
+        "bf16": torch.ones(2, 2, dtype=torch.bfloat16),
+        "count": 3,
+        "top": torch.tensor(7),
+    }
+    ok = columns.success_row(0, values, [1, 2, 3], [4, 5], "ab", "u", 0.5, {"max_tokens": 2})
+    bad = columns.failure_row(1, "ValueError: boom", ["model.layers.1.output"], "u")
+    assert ok[ERROR] == "" and ok["num_input_tokens"] == 3 and ok["num_generated_tokens"] == 2
+    assert bad[ERROR] == "ValueError: boom" and bad["generated_tokens"] == [] and bad["model.layers.1.output"] is None
+    block = BlockAccessor.batch_to_block({"__data": [ok, bad]})
+    rows = [dict(row["__data"]) for row in BlockAccessor.for_block(block).iter_rows(public_row_format=True)]
+    got = columns.restore_arrays(rows[0])
+    assert got["model.layers.1.output"].dtype == np.float32 and got["model.layers.1.output"].tolist() == list(range(6))
+    assert got["all"].dtype == np.float16 and got["all"].shape == (3, 4)
+    np.testing.assert_array_equal(got["all"], np.arange(12, dtype=np.float16).reshape(3, 4))
+    assert got["bf16"].dtype == np.float32 and got["bf16"].shape == (2, 2)  # numpy has no bfloat16
+    assert got["top"] == 7 and got["top"].dtype == np.int64 and np.ndim(got["top"]) == 0
+    assert got["count"] == 3 and got["generated_tokens"] == [4, 5] and got["generated_text"] == "ab"
+    failed = columns.restore_arrays(rows[1])
+    assert failed["model.layers.1.output"] is None and failed[ERROR] == "ValueError: boom"
+
+
+def test_an_intervention_may_not_overwrite_the_stage_columns():
+    with pytest.raises(ValueError, match="generated_text"):
+        columns.to_columns({"generated_text": torch.zeros(1)})
+
+
+def test_describe_error_names_the_interventions_type_and_message():
+    typed = intervention_error({"type_name": "ValueError", "message": "ValueError: boom\n\nIntervention traceback:\n"
+                                "  File x, line 1"}, "ValueError: boom")
+    assert columns.describe_error(typed) == "ValueError: boom"
+    assert columns.describe_error(KeyError("model.layers.9")) == "KeyError: 'model.layers.9'"
+    assert columns.describe_error(RuntimeError("IndexError: index 12 is out of bounds")) == \
+        "IndexError: index 12 is out of bounds"
+
+
+# --------------------------------------------------------------------------- the builder
+
+
+def test_ray_data_llm_build_processor_builds_it_through_the_registry():
+    from ray.data.llm import build_processor as ray_build_processor
+
+    made = config(concurrency=2, batch_size=8, max_concurrent_batches=2, should_continue_on_error=True)
+    processor = ray_build_processor(made, preprocess=lambda row: {"prompt": row["text"]},
+                                    builder_kwargs={"check": False})
+    assert processor.list_stage_names() == ["NNsightEngineStage"]
+    engine = processor.get_stage_by_name("NNsightEngineStage")
+    kwargs = engine.get_dataset_map_batches_kwargs(batch_size=8, data_column="__data")
+    assert kwargs["batch_size"] == 8 and kwargs["max_concurrency"] == 2
+    assert (kwargs["compute"].min_size, kwargs["compute"].max_size) == (1, 2)
+    assert kwargs["num_gpus"] == 0 and kwargs["num_cpus"] == 1
+    constructor = kwargs["fn_constructor_kwargs"]
+    assert constructor["saves"] == [SAVE] and constructor["intervene"] is None
+    assert constructor["expected_input_keys"] == ["sampling_params"] and constructor["should_continue_on_error"]
+    # The postprocess sees ndarrays (and Ray's wrapper adds the error column).
+    row = {"__data": {"h": {ARRAY: [1.0, 2.0], "shape": [2], "dtype": "float16"}}}
+    out = processor.postprocess(row)
+    assert out["h"].dtype == np.float16 and out[ERROR] == ""
+
+
+def test_build_processor_here_is_the_same_call(tmp_path):
+    path = tmp_path / "intervene.py"
+    path.write_text("def intervene(model, tracer):\n    return {'h': model.model.layers[0].output[0][-1]}\n")
+    processor = build_processor(config(intervention=str(path)), postprocess=lambda row: {"h": row["h"]})
+    fn = processor.get_stage_by_name("NNsightEngineStage").fn_constructor_kwargs["intervene"]
+    assert fn.keywords["intervene"].__name__ == "intervene"
+    with pytest.raises(TypeError, match="NNsightEngineProcessorConfig"):
+        build_processor(object())
+    with pytest.raises(ValueError, match="postprocess"):
+        build_processor(config(intervention=str(path)), builder_kwargs={"postprocess": None})
+
+
+def test_a_broken_intervention_file_fails_the_build(tmp_path):
+    from nnsight_ray.batch.errors import BatchConfigError
+
+    path = tmp_path / "intervene.py"
+    path.write_text("def intervene(model):\n    return {}\n")
+    with pytest.raises(BatchConfigError, match="cannot be called as intervene"):
+        build_processor(config(intervention=str(path)))
+
+
+# --------------------------------------------------------------------------- failure isolation
+
+
+class FakeUDF(stage.NNsightEngineStageUDF):
+    """The stage's batch logic over a fake trace: prompts containing "bad" raise in their invoke."""
+
+    def __init__(self, continue_on_error: bool) -> None:  # no engine
+        self.should_continue_on_error = continue_on_error
+        self.names = ["h"]
+        self.model, self.fn = object(), None
+        self.traces: list[list[str]] = []
+
+
+def fake_trace(udf):
+    def run(model, fn, requests):
+        udf.traces.append([prompt for prompt, _ in requests])
+        for prompt, _ in requests:
+            if "bad" in prompt:
+                raise intervention_error({"type_name": "ValueError", "message": f"bad prompt {prompt}"},
+                                         f"ValueError: bad prompt {prompt}")
+        return [({"h": torch.full((2,), float(len(p)))}, [1] * len(p), [7], "x") for p, _ in requests]
+
+    return run
+
+
+def rows(*prompts):
+    return [{"__idx_in_batch": i, "prompt": p, "sampling_params": {"max_tokens": 1}} for i, p in enumerate(prompts)]
+
+
+def test_a_failing_row_is_found_alone_and_the_others_keep_their_values(monkeypatch):
+    udf = FakeUDF(continue_on_error=True)
+    monkeypatch.setattr(stage, "run_trace", fake_trace(udf))
+    out = udf.run_batch(rows("a", "bad one", "ccc", {"not": "a prompt"}))
+    assert udf.traces == [["a", "bad one", "ccc"], ["a"], ["bad one"], ["ccc"]]
+    by_idx = {row["__idx_in_batch"]: row for row in out}
+    assert by_idx[1][ERROR] == "ValueError: bad prompt bad one" and by_idx[1]["h"] is None
+    assert by_idx[3][ERROR].startswith("ValueError: the row has no `prompt`")
+    assert by_idx[0][ERROR] == by_idx[2][ERROR] == ""
+    assert by_idx[2]["h"][ARRAY].tolist() == [3.0, 3.0] and by_idx[2]["prompt_token_ids"] == [1, 1, 1]
+
+
+def test_one_trace_per_batch_when_nothing_fails(monkeypatch):
+    udf = FakeUDF(continue_on_error=False)
+    monkeypatch.setattr(stage, "run_trace", fake_trace(udf))
+    out = udf.run_batch(rows("a", "bb"))
+    assert udf.traces == [["a", "bb"]] and [row[ERROR] for row in out] == ["", ""]
+
+
+def test_without_continue_on_error_the_batch_fails_with_the_rows_message(monkeypatch):
+    udf = FakeUDF(continue_on_error=False)
+    monkeypatch.setattr(stage, "run_trace", fake_trace(udf))
+    with pytest.raises(RequestError, match=r"^ValueError: bad prompt bad$"):
+        udf.run_batch(rows("a", "bad"))
+    assert udf.traces == [["a", "bad"]]
+    with pytest.raises(RequestError, match="has no `prompt`"):
+        udf.run_batch(rows(None))
+
+
+def test_an_engine_failure_is_fatal_and_a_request_failure_is_not():
+    import ray
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from nnsight_ray.errors import EngineDeadError as OurEngineDead
+
+    assert stage.is_fatal(EngineDeadError()) and stage.is_fatal(OurEngineDead("gone"))
+    assert stage.is_fatal(ray.exceptions.ActorDiedError())
+    assert not stage.is_fatal(ValueError("boom")) and not stage.is_fatal(RequestError("refused"))
