@@ -65,7 +65,7 @@ def main() -> None:
 
         from nnsight_ray import RayVLLM
 
-        ray.init(namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
         model = RayVLLM(path, name=f"bench-attach-{os.getpid()}", pipeline_parallel_size=args.ray_pp)
     else:
         from nnsight_ray import LocalVLLM

@@ -79,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     rank = Rank.remote()
     merge = Merge.remote(rank)
     print(f"{'shape':12s} {'bytes (ms)':>12s} {'shipped (ms)':>13s} {'ratio':>7s}  runs bytes / shipped (ms)")

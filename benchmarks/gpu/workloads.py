@@ -130,7 +130,7 @@ class Bench:
             from nnsight_ray._internal.observe.timeline import watch_gc
 
             watch_gc()  # this process's long collections go into the rows' timelines ("caller gc")
-            ray.init(namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
             began = time.perf_counter()  # the engine's start, not Ray's
             placement = {"cpus_per_rank": self.args.cpus_per_rank} if self.args.cpus_per_rank else {}
             self.model = RayVLLM(path, name=f"bench-{os.getpid()}", **kwargs, **self.graph_kwargs(), **placement)
