@@ -51,18 +51,36 @@ def engine_env(engine: str, settings: list[str]) -> tuple[str, dict[str, str]]:
     return base, found
 
 
+def paired_ratio(got: dict, base: dict) -> float:
+    """The median over k of (run k's tokens/s) / (the base's run k's tokens/s): runs taken in turn share the
+    host's drift, so each pair's ratio is a measurement where a ratio of two medians is only a bracket."""
+    ratios = sorted((got["tokens"] / mine) / (base["tokens"] / theirs)
+                    for mine, theirs in zip(got["seconds"], base["seconds"]))
+    middle = len(ratios) // 2
+    return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+
+
 def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
-    def rate(engine: str, workload: str) -> float | None:
-        got = results.get(engine, {}).get("workloads", {}).get(workload)
-        return got["tokens_per_s"] if got else None
+    def found(engine: str, workload: str) -> dict | None:
+        return results.get(engine, {}).get("workloads", {}).get(workload)
+
+    def ratio(got: dict, base: dict | None) -> float | None:
+        if not base:
+            return None
+        if args.interleave and len(got["seconds"]) == len(base["seconds"]):
+            return paired_ratio(got, base)
+        return got["tokens_per_s"] / base["tokens_per_s"]
 
     rows = []
     width = max([12] + [len(w) for result in results.values() for w in result.get("workloads", {})])
     print(f"\n{args.arch} {args.dtype}, {args.prompts} prompts x {args.tokens} tokens (all in flight), "
           f"extract {args.extract_prompts} x ~{args.extract_len} tokens, median of {args.repeats}"
           f"{', runs interleaved' if args.interleave else ''}, {args.device}")
+    print("ratios: " + ("the median of per-turn pairs (run k of one row against run k of the other)"
+                        if args.interleave else "of medians of runs taken apart in time: brackets, not measurements "
+                        "(--interleave pairs them)"))
     print(f"{'engine':<14} {'workload':<{width}} {'tok/s':>9} {'vs defaults':>11} {'vs eager':>9} {'vs local':>9} "
-          f"{'MB/s':>8}  runs (s)")
+          f"{'vs gen':>7} {'MB/s':>8}  runs (s)")
     for engine, result in results.items():
         for workload, got in result.get("workloads", {}).items():
             # The plain rows' "extract" is the prefill of the same prompts; every workload's plain floor is
@@ -73,16 +91,19 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
                                                ("vs_eager", "vllm-eager", floor_workload),
                                                ("vs_local", "local", workload)):
                 # Interleaved, the floor's runs taken beside this workload's ("generate@trace"), if any.
-                base = (rate(other, f"{other_workload}@{workload}") or rate(other, other_workload)
-                        or (rate(other, "prefill") if other_workload == "extract" else None))
+                base = (found(other, f"{other_workload}@{workload}") or found(other, other_workload)
+                        or (found(other, "prefill") if other_workload == "extract" else None))
                 if key == "vs_local":  # RayVLLM against LocalVLLM in the same mode
-                    base = rate(engine.replace("ray", "local", 1), workload) if engine.startswith("ray") else None
-                ratios[key] = got["tokens_per_s"] / base if base else None
+                    base = found(engine.replace("ray", "local", 1), workload) if engine.startswith("ray") else None
+                ratios[key] = ratio(got, base)
+            # A trace (or a registered block) against the same engine's plain generate.
+            ratios["vs_generate"] = ratio(got, found(engine, "generate")) if workload != "generate" else None
             row = {"engine": engine, "workload": workload, **got, **ratios}
             rows.append(row)
-            fmt = lambda v: f"{v:>8.2f}x" if v is not None else f"{'':>9}"  # noqa: E731
+            fmt = lambda v, w=9: f"{v:>{w - 1}.2f}x" if v is not None else f"{'':>{w}}"  # noqa: E731
             print(f"{engine:<14} {workload:<{width}} {got['tokens_per_s']:>9,.0f} {fmt(ratios['vs_defaults']):>11} "
-                  f"{fmt(ratios['vs_eager'])} {fmt(ratios['vs_local'])} {got['saved_mb_per_s']:>8.1f}  "
+                  f"{fmt(ratios['vs_eager'])} {fmt(ratios['vs_local'])} {fmt(ratios['vs_generate'], 7)} "
+                  f"{got['saved_mb_per_s']:>8.1f}  "
                   f"{', '.join(f'{t:.2f}' for t in got['seconds'])}"
                   f"{'  steps ' + json.dumps(got['step_modes']) if got.get('step_modes') else ''}")
         for workload, error in result.get("errors", {}).items():

@@ -53,7 +53,7 @@ def test_a_workload_is_compared_with_the_floor_runs_taken_beside_it(bench_gpu, c
     from types import SimpleNamespace
 
     def got(rate):
-        return {"tokens_per_s": rate, "seconds": [1.0], "saved_mb_per_s": 0.0}
+        return {"tokens_per_s": rate, "tokens": rate, "seconds": [1.0], "saved_mb_per_s": 0.0}
 
     results = {"vllm-eager": {"workloads": {"generate": got(100.0), "generate@trace": got(50.0)}},
                "ray": {"workloads": {"generate": got(90.0), "trace": got(45.0), "registered": got(80.0)}}}
@@ -64,3 +64,24 @@ def test_a_workload_is_compared_with_the_floor_runs_taken_beside_it(bench_gpu, c
     assert rows["ray", "registered"]["vs_eager"] == pytest.approx(0.8)
     assert rows["ray", "generate"]["vs_eager"] == pytest.approx(0.9)
     assert "generate@trace" in capsys.readouterr().out
+    assert rows["ray", "trace"]["vs_generate"] == pytest.approx(0.5) and rows["ray", "generate"]["vs_generate"] is None
+
+
+def test_interleaved_ratios_are_medians_of_per_turn_pairs_and_apart_they_are_brackets(bench_gpu, capsys):
+    """The host drifts: turn 1 fast, turn 3 slow. Per-turn pairs see the same drift and give the trace's
+    0.9x every time; the ratio of the two medians mixes turns and says otherwise."""
+    from types import SimpleNamespace
+
+    def got(seconds):
+        return {"tokens_per_s": 100 / sorted(seconds)[1], "tokens": 100, "seconds": seconds, "saved_mb_per_s": 0.0}
+
+    results = {"ray": {"workloads": {"generate": got([0.9, 1.0, 2.0]), "trace": got([1.0, 1.2, 2.0 / 0.9])}}}
+    args = SimpleNamespace(arch="llama", dtype="float32", prompts=4, tokens=2, extract_prompts=1, extract_len=8,
+                           repeats=3, interleave=True, device="CPU")
+    rows = {(r["engine"], r["workload"]): r for r in bench_gpu.table(results, args)}
+    assert rows["ray", "trace"]["vs_generate"] == pytest.approx(0.9, abs=1e-3)  # 0.9, 0.833, 0.9: median 0.9
+    assert "per-turn pairs" in capsys.readouterr().out
+    apart = bench_gpu.table(results, SimpleNamespace(**{**vars(args), "interleave": False}))
+    trace = next(r for r in apart if r["workload"] == "trace")
+    assert trace["vs_generate"] == pytest.approx(1.0 / 1.2)  # ratio of medians
+    assert "brackets" in capsys.readouterr().out
