@@ -67,6 +67,13 @@ _RESERVED_ENGINE_KWARGS = {
 }
 
 
+def refuse_reserved(engine_kwargs: dict[str, Any], reserved: dict[str, str]) -> dict[str, Any]:
+    """``engine_kwargs`` as given, or a ValueError naming a key set elsewhere (``reserved``: key -> where)."""
+    for key, owner in reserved.items():
+        if key in engine_kwargs:
+            raise ValueError(f"engine_kwargs.{key} is not allowed here; use {owner}")
+    return engine_kwargs
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -104,10 +111,7 @@ class EngineConfig(_Section):
     @field_validator("engine_kwargs")
     @classmethod
     def _no_layout_in_engine_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
-        for key, owner in _RESERVED_ENGINE_KWARGS.items():
-            if key in value:
-                raise ValueError(f"engine_kwargs.{key} is not allowed here; use {owner}")
-        return value
+        return refuse_reserved(value, _RESERVED_ENGINE_KWARGS)
 
 
 class PromptsConfig(_Section):

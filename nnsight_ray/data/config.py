@@ -25,7 +25,7 @@ from typing import Any, Callable
 from pydantic import Field, field_validator, model_validator
 from ray.llm._internal.batch.processor.base import OfflineProcessorConfig
 
-from ..batch.config import SaveSpec
+from ..batch.config import SaveSpec, refuse_reserved
 
 __all__ = ["NNsightEngineProcessorConfig", "SaveSpec"]
 
@@ -76,9 +76,7 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
     @field_validator("engine_kwargs")
     @classmethod
     def _engine_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
-        for key, owner in _RESERVED_ENGINE_KWARGS.items():
-            if key in value:
-                raise ValueError(f"engine_kwargs.{key} is not allowed here; use {owner}")
+        refuse_reserved(value, _RESERVED_ENGINE_KWARGS)
         for key in ("tensor_parallel_size", "pipeline_parallel_size"):
             if int(value.get(key) or 1) != 1:
                 raise ValueError(f"engine_kwargs.{key}={value[key]}: nnsight_ray.data runs one single-rank engine "

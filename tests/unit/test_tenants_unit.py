@@ -148,8 +148,9 @@ def test_a_replica_reports_its_engines_stall_and_never_once_the_engine_is_gone()
 
 
 def test_the_step_clock_counts_a_stall_only_while_work_waits():
+    assert Progress().stalled_s(3) == 0.0  # no clock (an offline engine, vLLM's stats off): no stall reported
     clock = Clock()
-    progress = Progress(clock)
+    progress = Progress(ticking=True, clock=clock)
     clock.now += 10
     assert progress.stalled_s(0) == 0.0
     progress.busy(was_idle=True)  # work arrives at an idle engine: the wait starts now, not at its last step

@@ -221,10 +221,11 @@ class EngineActor:
         # early_ranks: the ranks' processes import vLLM while the engine core's does.
         early = self.early_ranks = start_ranks_early(vllm_config) if early_ranks(vllm_config) else []
         try:
-            progress = Progress()  # its stat logger is vLLM's per-step callback: the engine's step clock
+            # The engine's step clock: vLLM's per-step stat-logger callback, where its stats are on anyway.
+            progress = Progress(ticking=not args.disable_log_stats)
             llm = AsyncLLM.from_vllm_config(vllm_config, usage_context=usage, enable_log_requests=args.enable_log_requests,
                                             disable_log_stats=args.disable_log_stats,
-                                            stat_loggers=[progress.stat_logger()])
+                                            stat_loggers=[progress.stat_logger()] if progress.ticking else None)
         except BaseException:
             for actor in early:  # adopted or not, nothing of them outlives a failed start
                 ray.kill(actor)

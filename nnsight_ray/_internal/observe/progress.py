@@ -9,7 +9,10 @@ step finished for N seconds".
 The step clock is vLLM's own seam: a stat logger (``StatLoggerBase``, passed as
 ``AsyncLLM(stat_loggers=...)``) whose ``record`` vLLM's output handler calls
 once per engine step, on the engine actor's event loop. Recording is one
-``time.monotonic()``. The engine core says when work arrives on an idle
+``time.monotonic()``. It is installed only where vLLM logs its stats anyway (a
+served engine: ``usage_context="OPENAI_API_SERVER"``, as ``vllm serve``); an
+offline engine keeps vLLM's per-step stats off (as ``vllm.LLM`` does) and
+reports no stall. The engine core says when work arrives on an idle
 engine (``busy``), so the first step of a new request is not mistaken for a
 stall that began when the engine last stepped.
 """
@@ -25,7 +28,10 @@ __all__ = ["Progress"]
 class Progress:
     """When the engine last finished a step, and since when it has had work waiting on one."""
 
-    def __init__(self, clock: Any = time.monotonic) -> None:
+    def __init__(self, ticking: bool = False, clock: Any = time.monotonic) -> None:
+        # Ticking only where vLLM logs stats anyway (a served engine, as `vllm serve`): a stat logger would
+        # turn vLLM's per-step stats on for an offline engine, which keeps them off (as vllm.LLM does).
+        self.ticking = ticking
         self.clock = clock
         self.last_step = clock()
         self.busy_since = self.last_step
@@ -39,8 +45,8 @@ class Progress:
             self.busy_since = self.clock()
 
     def stalled_s(self, in_flight: int) -> float:
-        """Seconds without a finished step while ``in_flight`` requests wait; 0 for an idle engine."""
-        if in_flight <= 0:
+        """Seconds without a finished step while ``in_flight`` requests wait; 0 for an idle engine or no clock."""
+        if in_flight <= 0 or not self.ticking:
             return 0.0
         return max(0.0, self.clock() - max(self.last_step, self.busy_since))
 
