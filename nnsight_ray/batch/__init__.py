@@ -1,7 +1,10 @@
-"""Batch runs: many prompts through an nnsight trace on Ray-hosted vLLM engines, to Parquet shards.
+"""Batch runs: many prompts through an nnsight trace on Ray-hosted vLLM engines, to Parquet files.
 
 Entry points: ``python -m nnsight_ray.batch --config run.yaml`` (and
-``nnsight-ray batch``), or from Python::
+``nnsight-ray batch``): a Ray Data pipeline over ``nnsight_ray.data``
+(``pipeline``) for runs that save values per prompt on single-rank engines,
+the hand-written runner for activation datasets, TP x PP > 1 and
+``--connect``. From Python (the runner)::
 
     from nnsight_ray.batch import load_config, run_batch
     result = run_batch(load_config("run.yaml", ["engine.replicas=2"]))
@@ -12,7 +15,7 @@ them), ``interventions`` (what runs in each invoke), ``preflight`` (every
 input checked before an engine starts), ``replicas`` (the engines and their
 traces: the Ray edge), ``scheduler`` (which prompts go where, failure rules),
 ``shards`` (the run folder on disk), ``progress``, ``runner`` (the run
-itself). Format and semantics: docs/batch.md.
+itself), ``pipeline`` (the Ray Data path). Format and semantics: docs/batch.md.
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@ Examples::
     # two engines instead of one, another output folder:
     python -m nnsight_ray.batch --config run.yaml --set engine.replicas=2 --set output.dir=runs/r2
 
-Rerunning the same command resumes: finished shards are kept, the rest run.
-Exit status: 0 done, 1 some shards unfinished (rerun to resume), 2 bad config
-or inputs (nothing started).
+Runs that save values per prompt run as a Ray Data pipeline (``pipeline``,
+over ``nnsight_ray.data``); activation datasets, TP x PP > 1 and ``--connect``
+on the hand-written runner (``runner``). Rerunning the same command resumes:
+what was written is kept, the rest runs. Exit status: 0 done, 1 unfinished
+(rerun to resume), 2 bad config or inputs (nothing started).
 """
 
 from __future__ import annotations
@@ -63,13 +65,14 @@ def _logging(verbose: bool) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     if args.local_cluster:
-        # Before anything imports Ray (the preflight imports vLLM, which does): the embedded cluster and this
-        # driver stay on 127.0.0.1 (else the driver looks for its raylet at the machine's external address).
+        # Before anything imports Ray (batch.pipeline imports Ray Data, the preflight vLLM): the embedded cluster
+        # and this driver stay on 127.0.0.1 (else the driver looks for its raylet at the machine's external address).
         from .local_cluster import loopback_only
 
         loopback_only()
     from .config import load_config
     from .errors import BatchConfigError, BatchRunError
+    from .pipeline import check_source, route
 
     _logging(args.verbose)
     try:
@@ -79,10 +82,21 @@ def run_from_args(args: argparse.Namespace) -> int:
         from .preflight import prepare
 
         config = load_config(args.config, args.overrides)
+        runner_reason = route(config, args.connect)
+        if runner_reason and config.prompts.remote:
+            raise BatchConfigError(f"prompts.path {config.prompts.path!r}: a URI is read by Ray Data, and this run "
+                                   f"takes the hand-written runner: {runner_reason}; copy the prompts to a local file")
         prepared = prepare(config, args.config)
         if args.check:
-            print(f"config OK: {len(prepared.prompts)} prompts in {len(prepared.plans)} shards -> "
-                  f"{prepared.run_dir.path}"
+            count = len(prepared.prompts)
+            if config.prompts.remote:  # read through Ray Data: joins the cluster (no engine starts)
+                from .._internal.cluster.placement import connect_ray
+
+                connect_ray(args.address)
+                count = check_source(config.prompts)
+            print(f"config OK: {count} prompts -> {prepared.run_dir.path}, on "
+                  + (f"the hand-written runner ({runner_reason}), {len(prepared.plans)} shards" if runner_reason
+                     else "Ray Data (nnsight_ray.data)")
                   + (f"; saves read in order {[r.name for r in prepared.reads]}" if prepared.reads else ""))
             return 0
     except BatchConfigError as error:
@@ -96,10 +110,17 @@ def run_from_args(args: argparse.Namespace) -> int:
 
             cluster = LocalCluster(args.local_cluster, args.cpus_per_node)
         from .._internal.cluster.placement import connect_ray
-        from .runner import run_batch
 
         connect_ray(args.address)
-        result = run_batch(config, args.config, prepared=prepared, connect=args.connect, raise_on_failure=False)
+        if runner_reason is None:
+            from .pipeline import run_on_ray_data
+
+            result = run_on_ray_data(prepared)
+        else:
+            from .runner import run_batch
+
+            logging.getLogger("nnsight_ray.batch").info("on the hand-written runner: %s", runner_reason)
+            result = run_batch(config, args.config, prepared=prepared, connect=args.connect, raise_on_failure=False)
         print(result.summary(), flush=True)
         return 0 if result.complete else 1
     except BatchConfigError as error:

@@ -6,7 +6,7 @@ The schema (agreed with ``cluster_configs/``; every section but ``model``,
     model:        {path, build_arch}
     engine:       {tensor_parallel_size, pipeline_parallel_size, placement_strategy,
                    cpus_per_rank, gpus_per_rank, replicas, engine_kwargs}
-    prompts:      {path, id_field, text_field}
+    prompts:      {path, format, id_field, text_field}
     saves:        [{location, tokens}]        # or
     intervention: path/to/file.py             # defines intervene(model, tracer) -> dict
     sampling:     {max_tokens, temperature}
@@ -115,18 +115,31 @@ class EngineConfig(_Section):
 
 
 class PromptsConfig(_Section):
-    """Where the prompts come from."""
+    """Where the prompts come from: a local file, or any path Ray Data reads (s3://, gs://, hf://datasets/...)."""
 
-    path: str = Field(min_length=1, description="A .jsonl (one object per line), .txt (one prompt per line) or .parquet file.")
+    path: str = Field(min_length=1, description="A .jsonl (one object per line), .txt (one prompt per line) or "
+                      ".parquet file or folder; local, or a URI Ray Data reads (s3://, gs://, hf://datasets/...).")
+    format: Literal["jsonl", "txt", "parquet"] | None = Field(
+        None, description="The files' format; default: the path's suffix (give it for a folder or a URI without one).")
     id_field: str = Field("id", min_length=1, description="Field holding each prompt's id (.jsonl, .parquet).")
     text_field: str = Field("prompt", min_length=1, description="Field holding the prompt text (.jsonl, .parquet).")
 
-    @field_validator("path")
-    @classmethod
-    def _known_format(cls, value: str) -> str:
-        if Path(value).suffix.lower() not in PROMPT_SUFFIXES:
-            raise ValueError(f"{value!r}: prompts must be one of {', '.join(PROMPT_SUFFIXES)} (by file suffix)")
-        return value
+    @model_validator(mode="after")
+    def _known_format(self) -> "PromptsConfig":
+        if self.format is None and Path(self.path).suffix.lower() not in PROMPT_SUFFIXES:
+            raise ValueError(f"{self.path!r}: prompts must be one of {', '.join(PROMPT_SUFFIXES)} (by file suffix), "
+                             "or set prompts.format (jsonl|txt|parquet)")
+        return self
+
+    @property
+    def kind(self) -> str:
+        """``jsonl``, ``txt`` or ``parquet``: ``format``, else the path's suffix."""
+        return self.format or Path(self.path).suffix.lower().lstrip(".")
+
+    @property
+    def remote(self) -> bool:
+        """A URI (``s3://...``, ``hf://...``): read by Ray Data only (the Ray Data path of the CLI)."""
+        return "://" in self.path and not self.path.startswith("file://")
 
 
 class SaveSpec(_Section):

@@ -55,7 +55,10 @@ def prepare(config: BatchConfig, config_file: str | None = None, resolve: bool =
     ``resolve=False`` skips what needs vLLM (building the model, the engine
     argument names, the meta tree): the cheap checks only.
     """
-    prompts = read_prompts(_abs(config.prompts.path), config.prompts.id_field, config.prompts.text_field)
+    source = config.prompts
+    # A URI (s3://, hf://) is Ray Data's to read (batch.pipeline checks it once Ray is up); a local file is read here.
+    prompts = [] if source.remote else read_prompts(_abs(source.path), source.id_field, source.text_field,
+                                                    source.kind)
     check_writable(_abs(config.output.dir))
     if config.intervention:
         fn, code_digest = load_intervention(_abs(config.intervention))
@@ -75,7 +78,8 @@ def prepare(config: BatchConfig, config_file: str | None = None, resolve: bool =
     output = output_format(config)
     fingerprint = {
         "model": {"path": model_path, "build_arch": config.model.build_arch},
-        "prompts": {"sha256": file_digest(_abs(config.prompts.path)), "id_field": config.prompts.id_field,
+        "prompts": {"sha256": source.path if source.remote else file_digest(_abs(source.path)),
+                    "id_field": config.prompts.id_field,
                     "text_field": config.prompts.text_field, "count": len(prompts)},
         "saves": [s.model_dump() for s in config.saves] if config.saves else None,
         "intervention_sha256": code_digest,

@@ -24,14 +24,18 @@ class Prompt:
     text: str
 
 
-def read_prompts(path: str | Path, id_field: str = "id", text_field: str = "prompt") -> list[Prompt]:
-    """All prompts of ``path`` in file order; ``BatchConfigError`` says what and where."""
+def read_prompts(path: str | Path, id_field: str = "id", text_field: str = "prompt",
+                 kind: str | None = None) -> list[Prompt]:
+    """All prompts of ``path`` in file order; ``BatchConfigError`` says what and where.
+
+    ``kind`` (``jsonl``, ``txt``, ``parquet``): the format, default the path's suffix.
+    """
     path = Path(path)
     if not path.is_file():
         raise BatchConfigError(
             f"prompts.path {str(path)!r}: no such file (relative paths are read from {Path.cwd()})"
         )
-    suffix = path.suffix.lower()
+    suffix = f".{kind}" if kind else path.suffix.lower()
     if suffix == ".jsonl":
         prompts = _jsonl(path, id_field, text_field)
     elif suffix == ".txt":

@@ -32,10 +32,14 @@ __all__ = ["NNsightEngineProcessorConfig", "SaveSpec"]
 # Engine arguments this stage owns, with where the choice is made instead.
 _RESERVED_ENGINE_KWARGS = {
     "model": "model_source",
-    "distributed_executor_backend": "(one in-process engine per actor: nnsight_ray chooses)",
-    "placement_strategy": "(TP x PP > 1 is not supported by nnsight_ray.data yet)",
-    "cpus_per_rank": "num_cpus",
-    "gpus_per_rank": "num_gpus",
+    "distributed_executor_backend": "(nnsight_ray chooses: in-process at TP x PP = 1, its rank actors above)",
+    "placement_strategy": "placement_group_config's 'strategy'",
+    "cpus_per_rank": "num_cpus, or placement_group_config's bundles at TP x PP > 1",
+    "gpus_per_rank": "num_gpus, or placement_group_config's bundles at TP x PP > 1",
+    "placement_group": "placement_group_config (each engine actor reserves its own group)",
+    "placement_group_id": "placement_group_config (each engine actor reserves its own group)",
+    "name": "(each engine actor names its own engine)",
+    "detached": "(an engine lives as long as its actor)",
 }
 # Ray Data LLM's CPU stages around the engine. This engine stage reads `prompt` (or `tokenized_prompt`)
 # and detokenizes itself; the others are not wired up yet.
@@ -65,7 +69,13 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
     )
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine actor.")
     num_gpus: float | None = Field(
-        None, ge=0, description="GPUs Ray reserves for each engine actor; default 1 with accelerator_type, else 0."
+        None, ge=0, description="GPUs Ray reserves for each engine actor (each rank at TP x PP > 1); "
+        "default 1 with accelerator_type, else 0."
+    )
+    placement_group_config: dict[str, Any] | None = Field(
+        None, description="TP x PP > 1: each engine's placement group, as Ray Data LLM's vLLM config takes it: "
+        "{'bundle_per_worker': {...}} (one per rank) or {'bundles': [...]}, and 'strategy' (default PACK). "
+        "Default: one bundle of 1 CPU and num_gpus GPUs per rank."
     )
     # Ray Data LLM's defaults are True; the engine stage here reads `prompt` and returns `generated_text`.
     chat_template_stage: Any = Field(False, description="Not supported yet: give `prompt` in preprocess.")
@@ -78,10 +88,19 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
     def _engine_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
         refuse_reserved(value, _RESERVED_ENGINE_KWARGS)
         for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if int(value.get(key) or 1) != 1:
-                raise ValueError(f"engine_kwargs.{key}={value[key]}: nnsight_ray.data runs one single-rank engine "
-                                 "per actor for now (TP x PP = 1); use nnsight_ray.batch or RayVLLM for larger layouts")
+            if key in value and (not isinstance(value[key], int) or isinstance(value[key], bool) or value[key] < 1):
+                raise ValueError(f"engine_kwargs.{key}={value[key]!r}: expected a positive integer")
         return value
+
+    @field_validator("placement_group_config")
+    @classmethod
+    def _placement_group_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        from ray.llm._internal.common.placement import PlacementGroupConfig
+
+        checked = PlacementGroupConfig(**value).model_dump(exclude_none=True)
+        return checked
 
     @field_validator(*_STAGES)
     @classmethod
@@ -123,6 +142,16 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
             if spec.location in seen:
                 raise ValueError(f"saves: {spec.location!r} is listed twice")
             seen.add(spec.location)
+        if self.world_size == 1:
+            if self.placement_group_config is not None:
+                raise ValueError("placement_group_config: for engines of TP x PP > 1 only; an engine of one rank "
+                                 "runs in its actor, which num_cpus and num_gpus size")
+        else:
+            bundles, _ = self.rank_bundles()
+            if not any(bundle.get("CPU", 0.0) >= self.num_cpus for bundle in bundles):
+                raise ValueError(f"num_cpus={self.num_cpus}: the engine actor runs in one of its placement group's "
+                                 f"bundles, and none has that many CPUs ({bundles}); lower num_cpus or give a "
+                                 "bundle more CPUs in placement_group_config")
         return self
 
     @property
@@ -131,10 +160,22 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
         return [spec.location for spec in self.saves or []]
 
     def gpus(self) -> float:
-        """GPUs per engine actor: as set; else 1 with an ``accelerator_type``, 0 without."""
+        """GPUs per engine actor (per rank at TP x PP > 1): as set; else 1 with an ``accelerator_type``, 0 without."""
         if self.num_gpus is not None:
             return self.num_gpus
         return 1.0 if self.accelerator_type else 0.0
+
+    @property
+    def world_size(self) -> int:
+        """Ranks per engine: ``tensor_parallel_size x pipeline_parallel_size``."""
+        kwargs = self.engine_kwargs
+        return int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
+
+    def rank_bundles(self) -> tuple[list[dict[str, float]], str]:
+        """TP x PP > 1: each engine's placement group, its bundles and strategy (``placement.rank_bundles``)."""
+        from .placement import rank_bundles
+
+        return rank_bundles(self.world_size, self.placement_group_config, self.gpus(), self.accelerator_type)
 
 
 def check_intervene(intervene: Any) -> None:

@@ -7,7 +7,8 @@ for ``NNsightEngineProcessorConfig``, so Ray's own ``build_processor`` builds
 it. ``nnsight_ray.data.build_processor`` is the same call without the registry.
 
 The processor is Ray Data LLM's ``Processor``: preprocess (a ``map``), the
-engine stage (``map_batches`` on an actor pool), postprocess (a ``map``; the
+engine stage (``map_batches`` on an actor pool; at TP x PP > 1 each actor in
+a placement group of its own, see ``placement``), postprocess (a ``map``; the
 saved values reach it as ndarrays). Before anything is built, a preflight as
 the batch runner's (``batch.preflight``, ``batch.interventions``): vLLM's
 engine argument names, each save location on nnsight's meta tree of the model,
@@ -24,6 +25,7 @@ from ray.llm._internal.batch.processor.base import Processor, ProcessorBuilder
 
 from .columns import with_arrays
 from .config import NNsightEngineProcessorConfig
+from .placement import EngineGroups, rank_placement
 from .stage import NNsightEngineStage
 
 __all__ = ["build_nnsight_engine_processor", "build_processor", "intervention_fn", "preflight", "register"]
@@ -56,7 +58,13 @@ def preflight(config: NNsightEngineProcessorConfig) -> None:
 
 
 def stage_map_kwargs(config: NNsightEngineProcessorConfig) -> dict[str, Any]:
-    """``map_batches`` arguments of the engine stage, as Ray Data LLM's vLLM processor sets them."""
+    """``map_batches`` arguments of the engine stage, as Ray Data LLM's vLLM processor sets them.
+
+    At TP x PP > 1, as its vLLM stage does with the Ray executor: the actor
+    reserves no GPU itself (``num_gpus=0``), and ``ray_remote_args_fn``
+    places each actor in a placement group of its own, which its engine's
+    ranks then take (``placement``).
+    """
     import ray
 
     kwargs: dict[str, Any] = dict(
@@ -68,6 +76,9 @@ def stage_map_kwargs(config: NNsightEngineProcessorConfig) -> dict[str, Any]:
         num_cpus=config.num_cpus,
         num_gpus=config.gpus(),
     )
+    if config.world_size > 1:
+        bundles, strategy = config.rank_bundles()
+        kwargs.update(num_gpus=0, ray_remote_args_fn=EngineGroups(bundles, strategy))
     if config.accelerator_type:
         kwargs["accelerator_type"] = config.accelerator_type
     if config.runtime_env:
@@ -91,6 +102,7 @@ def build_nnsight_engine_processor(config: NNsightEngineProcessorConfig, preproc
             saves=[spec.model_dump() for spec in config.saves] if config.saves else None,
             intervene=fn,
             should_continue_on_error=config.should_continue_on_error,
+            placement=rank_placement(config.rank_bundles()[0], config.world_size) if config.world_size > 1 else None,
         ),
         map_batches_kwargs=stage_map_kwargs(config),
     )

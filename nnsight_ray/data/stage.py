@@ -2,9 +2,13 @@
 
 ``NNsightEngineStage`` is a Ray Data LLM ``StatefulStage``; Ray Data runs its
 UDF on an actor pool (``compute=ActorPoolStrategy``, ``concurrency`` as Ray
-Data LLM defines it). Each actor holds one ``LocalVLLM`` (TP x PP = 1), built
-on the actor's one tracing thread, which every trace then runs on (one
-tracing thread per client object); the actor's event loop stays free.
+Data LLM defines it). Each actor holds one engine: a ``LocalVLLM`` at TP x PP
+= 1, a ``RayVLLM`` above, whose rank actors take the bundles of the
+placement group the actor runs in (``placement``). It is built on the actor's
+one tracing thread, which every trace then runs on (one tracing thread per
+client object); the actor's event loop stays free. When Ray Data lets the
+actor go, the engine is shut down (and, for a ``RayVLLM``, the actor's group
+removed: ``placement.stop_engine``).
 
 Per batch: one trace with one invoke per row (the row's prompt and its own
 sampling parameters), each invoke running the config's saves
@@ -74,24 +78,28 @@ class NNsightEngineStageUDF(StatefulStageUDF):
 
     def __init__(self, data_column: str, expected_input_keys: list[str], model_source: str,
                  engine_kwargs: dict[str, Any], saves: list[dict[str, Any]] | None, intervene: Callable | None,
-                 should_continue_on_error: bool = False) -> None:
+                 should_continue_on_error: bool = False, placement: dict[str, Any] | None = None) -> None:
         super().__init__(data_column, expected_input_keys)
         self.should_continue_on_error = should_continue_on_error
         self.names = [spec["location"] for spec in saves or []]
         # Every trace runs on this one thread, the one that built the model.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nnsight-data")
         self.model, self.fn = self._thread.submit(self._start, model_source, engine_kwargs, saves,
-                                                  intervene).result()
+                                                  intervene, placement).result()
 
     @staticmethod
     def _start(model_source: str, engine_kwargs: dict[str, Any], saves: list[dict[str, Any]] | None,
-               intervene: Callable | None) -> tuple[Any, Callable]:
+               intervene: Callable | None, placement: dict[str, Any] | None = None) -> tuple[Any, Callable]:
         from ..batch.config import SaveSpec
         from ..batch.interventions import reader, resolve_saves
         from ..local import LocalVLLM
+        from .placement import start_engine
 
         started = time.monotonic()
-        model = LocalVLLM(model_source, dispatch=True, **engine_kwargs)
+        if placement is not None:  # TP x PP > 1: ranks in this actor's placement group
+            model = start_engine(model_source, engine_kwargs, placement)
+        else:
+            model = LocalVLLM(model_source, dispatch=True, **engine_kwargs)
         logger.info("nnsight engine for %s ready in %.1f s", model_source, time.monotonic() - started)
         if intervene is not None:
             return model, intervene
@@ -162,10 +170,9 @@ class NNsightEngineStageUDF(StatefulStageUDF):
     def __del__(self) -> None:
         model = getattr(self, "model", None)
         if model is not None:
-            try:
-                model.shutdown()
-            except Exception:
-                pass
+            from .placement import stop_engine
+
+            stop_engine(model)
 
 
 class NNsightEngineStage(StatefulStage):

@@ -54,9 +54,9 @@ def run(config, path, keep):
     return {row["id"]: row for row in ds.take_all()}, ds
 
 
-def reference(local, prompt: str) -> dict:
+def reference(local, prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
     """The same values from nnsight's in-process engine: residual streams (hidden + residual), logits, greedy output."""
-    with local.trace(prompt, temperature=0.0, max_tokens=MAX_TOKENS) as tracer:
+    with local.trace(prompt, temperature=0.0, max_tokens=max_tokens) as tracer:
         one, three = local.model.layers[1].output, local.model.layers[3].output
         h1 = (one[0] + one[1])[-1].clone().save()
         h3 = (three[0] + three[1]).clone().save()

@@ -42,8 +42,15 @@ def test_config_takes_ray_data_llm_fields_and_saves():
     ({"intervention": lambda model: {}}, "cannot be called as intervene(model, tracer)"),
     ({"intervention": "intervene.txt"}, "should be a .py file"),
     ({"intervention": 3}, "intervention"),
-    ({"engine_kwargs": {"tensor_parallel_size": 2}}, "TP x PP = 1"),
-    ({"engine_kwargs": {"pipeline_parallel_size": 2}}, "TP x PP = 1"),
+    ({"engine_kwargs": {"tensor_parallel_size": 0}}, "positive integer"),
+    ({"engine_kwargs": {"tensor_parallel_size": 2, "placement_group": object()}}, "use placement_group_config"),
+    ({"engine_kwargs": {"tensor_parallel_size": 2, "cpus_per_rank": 2}}, "placement_group_config's bundles"),
+    ({"engine_kwargs": {"tensor_parallel_size": 2}, "num_cpus": 2}, "num_cpus=2.0"),
+    ({"engine_kwargs": {"pipeline_parallel_size": 2}, "placement_group_config": {"bundles": [{"CPU": 1}]}},
+     "1 bundles for tensor_parallel_size x pipeline_parallel_size = 2"),
+    ({"engine_kwargs": {"tensor_parallel_size": 2}, "placement_group_config": {"strategy": "PACK"}},
+     "bundle_per_worker"),
+    ({"placement_group_config": {"bundle_per_worker": {"CPU": 1}}}, "for engines of TP x PP > 1 only"),
     ({"engine_kwargs": {"model": "other"}}, "use model_source"),
     ({"chat_template_stage": True}, "chat_template_stage: not supported"),
     ({"tokenize_stage": {"enabled": True}}, "tokenize_stage: not supported"),
@@ -150,6 +157,49 @@ def test_ray_data_llm_build_processor_builds_it_through_the_registry():
     row = {"__data": {"h": {ARRAY: [1.0, 2.0], "shape": [2], "dtype": "float16"}}}
     out = processor.postprocess(row)
     assert out["h"].dtype == np.float16 and out[ERROR] == ""
+
+
+@pytest.mark.parametrize("kwargs, bundles, strategy, placement", [
+    ({}, [{"CPU": 1.0}] * 2, "PACK", {"device": "cpu"}),
+    ({"accelerator_type": "H100"}, [{"CPU": 1.0, "GPU": 1.0, "accelerator_type:H100": 0.001}] * 2, "PACK",
+     {"device": "gpu", "gpus_per_rank": 1.0}),
+    ({"placement_group_config": {"bundle_per_worker": {"CPU": 2, "GPU": 1}, "strategy": "STRICT_SPREAD"}},
+     [{"CPU": 2.0, "GPU": 1.0}] * 2, "STRICT_SPREAD", {"device": "gpu", "gpus_per_rank": 1.0}),
+    ({"placement_group_config": {"bundles": [{"CPU": 1}, {"CPU": 1}, {"CPU": 2}]}},
+     [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 2.0}], "PACK", {"device": "cpu"}),
+])
+def test_a_parallel_engine_places_each_actor_in_a_group_of_its_ranks(kwargs, bundles, strategy, placement):
+    """As Ray Data LLM's vLLM stage with the Ray executor: no GPU for the actor, a group per actor from
+    ``ray_remote_args_fn``; the ranks' device follows their bundles."""
+    from nnsight_ray.data.placement import EngineGroups
+
+    made = config(engine_kwargs={"tensor_parallel_size": 2}, **kwargs)
+    assert made.world_size == 2
+    engine = build_processor(made, builder_kwargs={"check": False}).get_stage_by_name("NNsightEngineStage")
+    got = engine.get_dataset_map_batches_kwargs(batch_size=4, data_column="__data")
+    assert got["num_gpus"] == 0 and got["num_cpus"] == 1
+    assert got["ray_remote_args_fn"] == EngineGroups(bundles, strategy)
+    assert got["fn_constructor_kwargs"]["placement"] == placement
+    single = build_processor(config(), builder_kwargs={"check": False}).get_stage_by_name("NNsightEngineStage")
+    assert "ray_remote_args_fn" not in single.map_batches_kwargs and single.fn_constructor_kwargs["placement"] is None
+
+
+def test_a_group_is_reserved_only_when_ray_data_starts_an_actor():
+    """Ray Data also calls ``ray_remote_args_fn`` from its memory issue detector, with no actor to place."""
+    import inspect
+
+    from ray.data._internal.execution.operators.actor_pool_map_operator import ActorPoolMapOperator
+
+    from nnsight_ray.data.placement import STARTS_AN_ACTOR, EngineGroups, starting_an_actor
+
+    def _merge_ray_remote_args():  # noqa: N802  (the name Ray Data's actor pool calls it from)
+        return starting_an_actor()
+
+    assert _merge_ray_remote_args() and not starting_an_actor()
+    assert EngineGroups([{"CPU": 1.0}] * 2)() == {}  # not an actor start: no group, no Ray needed
+    # Pinned: Ray Data starts each actor through this method, which calls ray_remote_args_fn.
+    assert "self._ray_remote_args_fn()" in inspect.getsource(getattr(ActorPoolMapOperator, STARTS_AN_ACTOR))
+    assert f"self.{STARTS_AN_ACTOR}()" in inspect.getsource(ActorPoolMapOperator._start_actor)
 
 
 def test_build_processor_here_is_the_same_call(tmp_path):

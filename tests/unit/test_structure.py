@@ -34,6 +34,10 @@ LAYERS: list[list[str]] = [
     ["nnsight_ray.ray_vllm"],
     ["nnsight_ray.batch", "nnsight_ray.serve"],
     ["nnsight_ray.data"],
+    # The batch CLI builds nnsight_ray.data's processor: its pipeline and entry point sit above data, which
+    # itself uses the batch config, preflight and intervention loading below it.
+    ["nnsight_ray.batch.pipeline"],
+    ["nnsight_ray.batch.__main__"],
     ["nnsight_ray.demo", "nnsight_ray.compare_layouts"],
     ["nnsight_ray.cli"],
     ["nnsight_ray"],

@@ -1,0 +1,406 @@
+"""A batch config as a Ray Data pipeline: ``python -m nnsight_ray.batch`` for runs that save values per prompt.
+
+::
+
+    ray.data.read_json / read_parquet / read_datasource(TextLines)   the prompts, local or any URI Ray Data reads
+      -> nnsight_ray.data.build_processor(NNsightEngineProcessorConfig)   one LocalVLLM per actor, one trace a batch
+      -> rows (id, prompt, error, generated_text, <value>, <value>.shape)
+      -> write_parquet(<output.dir>/data)   with DataContext.checkpoint_config keyed by the prompt id
+
+Resume is Ray Data's checkpointing (``IdColumnCheckpointManager``): each
+written file's prompt ids are recorded as a pending checkpoint before the file
+is written and committed after it; a rerun deletes the files of pending
+checkpoints and filters the committed ids out of the read, so every prompt is
+written exactly once (``check_output`` counts the ids after every run). A
+failed prompt (its intervention raised, vLLM refused it) is a row with
+``error`` set (Ray Data LLM's ``__inference_error__``) and a line in
+``errors.jsonl``; the run goes on.
+
+Which runs take this path: ``route``. Activation datasets, TP x PP > 1 and
+``--connect`` keep the hand-written runner (``runner``) until
+``nnsight_ray.data`` does them (docs/batch.md, "What still runs on the runner").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from ray.data.datasource import Datasource, ReadTask
+
+from ..data import NNsightEngineProcessorConfig, build_processor
+from ..data.columns import ERROR, OUTPUT_COLUMNS
+from .config import BatchConfig, PromptsConfig
+from .errors import BatchConfigError, BatchRunError
+from .preflight import Prepared
+from .progress import Progress, format_duration
+from .shards import SHAPE_SUFFIX, to_array
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DataRunResult", "TextLines", "build_dataset", "check_output", "read_dataset", "route", "run_on_ray_data"]
+
+DATA_DIR = "data"
+CHECKPOINT_DIR = "checkpoint"
+_FIXED = ("prompt", "error", "generated_text")
+
+
+def route(config: BatchConfig, connect: list[str] | None = None) -> str | None:
+    """None when ``config`` runs on Ray Data; else why it takes the hand-written runner."""
+    if config.activations:
+        return "output.format=activations (ranks write safetensors; not in nnsight_ray.data yet)"
+    if config.engine.world_size > 1:
+        return (f"TP x PP = {config.engine.tensor_parallel_size} x {config.engine.pipeline_parallel_size} "
+                "(nnsight_ray.data runs single-rank engines for now)")
+    if connect:
+        return "--connect (a running deployment, not a Ray Data actor pool)"
+    return None
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class TextLines(Datasource):
+    """A ``.txt`` prompt file as rows: id = the 1-based line number (a string), blank lines skipped.
+
+    A ``Read`` of Ray Data's own (``read_datasource``), so checkpointing filters it like its readers.
+    """
+
+    def __init__(self, path: str, id_field: str, text_field: str) -> None:
+        self.path, self.id_field, self.text_field = path, id_field, text_field
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return None
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                       data_context: Any = None) -> list[ReadTask]:
+        from ray.data.block import BlockMetadata
+
+        path, id_field, text_field = self.path, self.id_field, self.text_field
+
+        def read():
+            import pyarrow as pa
+            import pyarrow.fs as pafs
+
+            filesystem, where = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
+            with filesystem.open_input_stream(where) as handle:
+                lines = handle.read().decode().splitlines()
+            kept = [(str(number), line) for number, line in enumerate(lines, 1) if line.strip()]
+            yield pa.table({id_field: [i for i, _ in kept], text_field: [t for _, t in kept]})
+
+        metadata = BlockMetadata(num_rows=None, size_bytes=None, input_files=(path,), exec_stats=None)
+        return [ReadTask(read, metadata, per_task_row_limit=per_task_row_limit)]
+
+
+def _location(source: PromptsConfig) -> tuple[str, Any]:
+    """The path as Ray Data takes it, and a filesystem for the schemes pyarrow does not know (``hf://``)."""
+    if source.remote:
+        if source.path.startswith("hf://"):
+            from huggingface_hub import HfFileSystem
+
+            return source.path, HfFileSystem()
+        return source.path, None
+    return str(Path(source.path.removeprefix("file://")).expanduser().resolve()), None
+
+
+def read_dataset(source: PromptsConfig):
+    """The prompts as a Ray Dataset of two columns, ``id_field`` and ``text_field`` (a ``Read``: resumable)."""
+    import ray.data
+
+    path, filesystem = _location(source)
+    columns = [source.id_field, source.text_field]
+    if source.kind == "parquet":
+        return ray.data.read_parquet(path, filesystem=filesystem, columns=columns)
+    if source.kind == "jsonl":
+        return ray.data.read_json(path, filesystem=filesystem).select_columns(columns)
+    return ray.data.read_datasource(TextLines(path, *columns))
+
+
+def check_source(source: PromptsConfig) -> int:
+    """A URI's prompts, checked through Ray Data before any engine starts: the fields exist; returns the count."""
+    try:
+        dataset = read_dataset(source)
+        names = dataset.schema().names
+        count = dataset.count()
+    except Exception as error:
+        raise BatchConfigError(f"prompts.path {source.path!r}: Ray Data cannot read it "
+                               f"({type(error).__name__}: {error})") from None
+    missing = [f for f in (source.id_field, source.text_field) if f not in names]
+    if missing:
+        raise BatchConfigError(f"prompts.path {source.path!r}: no column {missing[0]!r} (columns: {names}); "
+                               "set prompts.id_field / prompts.text_field")
+    return count
+
+
+# --------------------------------------------------------------------------- the pipeline
+
+
+def _row_encoder(id_field: str, text_field: str, names: list[str] | None):
+    """Ray Data LLM's postprocess (successful rows): the values as flat float32 lists and their shapes."""
+    skip = {*OUTPUT_COLUMNS, "prompt", "tokenized_prompt", "sampling_params", id_field, text_field}
+
+    def encode(row: dict[str, Any]) -> dict[str, Any]:
+        out = {id_field: row[id_field], "prompt": row[text_field], "error": None,
+               "generated_text": row.get("generated_text")}
+        for name in names if names is not None else [k for k in row if k not in skip]:
+            array = to_array(row[name])
+            out[name] = array.ravel().tolist()
+            out[name + SHAPE_SUFFIX] = [int(n) for n in array.shape]
+        return out
+
+    return encode
+
+
+def _row_normalizer(id_field: str, text_field: str, names: list[str] | None):
+    """Every row in one schema: a failed row (it bypassed postprocess, whole) as id, prompt, error, nulls."""
+
+    def normalize(row: dict[str, Any]) -> dict[str, Any]:
+        error = row.get(ERROR)
+        if not error:
+            return {key: value for key, value in row.items() if key != ERROR}
+        out = {id_field: row.get(id_field), "prompt": row.get(text_field), "error": error, "generated_text": None}
+        for name in names or []:
+            out[name] = out[name + SHAPE_SUFFIX] = None
+        return out
+
+    return normalize
+
+
+def _caster(id_field: str):
+    """A block's columns as the shard format types them: values list<float32>, shapes list<int32>, text strings."""
+
+    def cast(table):
+        import pyarrow as pa
+
+        columns = {}
+        for name in table.column_names:
+            column = table.column(name)
+            if name == id_field:
+                columns[name] = column
+            elif name in _FIXED:
+                columns[name] = column.cast(pa.string())
+            elif name.endswith(SHAPE_SUFFIX):
+                columns[name] = column.cast(pa.list_(pa.int32()))
+            else:
+                columns[name] = column.cast(pa.list_(pa.float32()))
+        return pa.table(columns)
+
+    return cast
+
+
+def processor_config(prepared: Prepared) -> NNsightEngineProcessorConfig:
+    """The batch config's engine section and runner tuning, as ``nnsight_ray.data``'s processor config."""
+    config = prepared.config
+    engine, runner = config.engine, config.runner
+    return NNsightEngineProcessorConfig(
+        model_source=prepared.model_path,
+        engine_kwargs=dict(engine.engine_kwargs),
+        concurrency=(engine.replicas, engine.replicas),
+        batch_size=runner.prompts_per_trace,
+        max_concurrent_batches=max(1, runner.max_in_flight // runner.prompts_per_trace),
+        should_continue_on_error=True,
+        saves=list(config.saves) if config.saves else None,
+        intervention=str(Path(config.intervention).expanduser().resolve()) if config.intervention else None,
+        num_cpus=engine.cpus_per_rank,
+        num_gpus=engine.gpus_per_rank if _gpu_platform() else 0.0,
+    )
+
+
+def _gpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
+def build_dataset(prepared: Prepared):
+    """The whole pipeline up to the writer: prompts -> nnsight_ray.data's processor -> the shard format's rows."""
+    config = prepared.config
+    source = config.prompts
+    id_field, text_field = source.id_field, source.text_field
+    sampling = config.sampling.model_dump()
+    names = [spec.location for spec in config.saves] if config.saves else None
+    processor = build_processor(
+        processor_config(prepared),
+        preprocess=lambda row: {"prompt": row[text_field], "sampling_params": dict(sampling)},
+        postprocess=_row_encoder(id_field, text_field, names),
+        builder_kwargs={"check": False},  # prepare() checked the engine arguments and the saves already
+    )
+    dataset = processor(read_dataset(source)).map(_row_normalizer(id_field, text_field, names))
+    return dataset.map_batches(_caster(id_field), batch_format="pyarrow")
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class DataRunResult:
+    """What a Ray Data run did; ``complete`` is every prompt in the output exactly once."""
+
+    output_dir: Path
+    prompts_total: int
+    prompts_skipped: int
+    prompts_done: int
+    errors: int
+    duplicates: int
+    run_s: float
+    failure: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.failure is None and self.duplicates == 0 and self.prompts_done == self.prompts_total
+
+    @property
+    def prompts_run(self) -> int:
+        return self.prompts_done - self.prompts_skipped
+
+    def summary(self) -> str:
+        head = "done" if self.complete else "INCOMPLETE (rerun to resume)"
+        lines = [f"batch {head}: {self.prompts_run} prompts run, {self.prompts_skipped} already done, "
+                 f"{self.errors} errors; {self.prompts_run / self.run_s if self.run_s else 0:.1f} prompts/s "
+                 f"over {format_duration(self.run_s)} (engine start included) on Ray Data",
+                 f"  rows:     {self.output_dir / DATA_DIR}/*.parquet ({self.prompts_done} of {self.prompts_total} "
+                 f"prompts, each once)" if not self.duplicates else
+                 f"  rows:     {self.output_dir / DATA_DIR}: {self.duplicates} prompt id(s) twice",
+                 f"  manifest: {self.output_dir / 'manifest.json'}",
+                 f"  errors:   {self.output_dir / 'errors.jsonl'} ({self.errors} prompt(s))"]
+        if self.failure:
+            lines.append(f"  failed: {self.failure}")
+        return "\n".join(lines)
+
+
+def committed_rows(checkpoint: Path) -> int:
+    """Prompts in committed checkpoint files (what Ray Data will not run again)."""
+    import pyarrow.parquet as pq
+
+    total = 0
+    for path in checkpoint.glob("*.parquet"):
+        if not path.name.endswith(".pending.parquet"):
+            try:
+                total += pq.read_metadata(path).num_rows
+            except Exception:
+                continue  # being written
+    return total
+
+
+def check_output(folder: Path, id_field: str) -> tuple[int, int, list[dict[str, Any]]]:
+    """Distinct prompt ids in the written rows, ids written more than once, and the failed rows' errors."""
+    import pyarrow.parquet as pq
+
+    seen: set[str] = set()
+    duplicates = 0
+    errors = []
+    for path in sorted((folder / DATA_DIR).glob("*.parquet")):
+        table = pq.read_table(path, columns=[id_field, "error"])
+        for key, error in zip(table.column(id_field).to_pylist(), table.column("error").to_pylist()):
+            key = str(key)
+            duplicates += key in seen
+            seen.add(key)
+            if error:
+                kind, _, message = error.partition(": ")
+                errors.append({"id": key, "type": kind, "message": message, "file": path.name})
+    return len(seen), duplicates, errors
+
+
+def _ticker(progress: Progress, checkpoint: Path, stop: threading.Event) -> None:
+    while not stop.wait(min(progress.interval_s, 1.0)):
+        done = committed_rows(checkpoint)
+        if done > progress.done:
+            progress.update(done - progress.done)
+        else:
+            progress.tick()
+
+
+def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO | None = None,
+                    interactive: bool | None = None) -> DataRunResult:
+    """Run ``prepared`` as a Ray Data pipeline into ``output.dir``; a rerun resumes by prompt id."""
+    from ray.data import DataContext
+    from ray.data.checkpoint import CheckpointConfig
+
+    config = prepared.config
+    stream = stream or sys.stdout
+    folder = prepared.run_dir.path
+    checkpoint = folder / CHECKPOINT_DIR
+    prepared.run_dir.prepare()
+    if total is None:
+        total = check_source(config.prompts) if config.prompts.remote else len(prepared.prompts)
+    skipped = committed_rows(checkpoint)
+    started, failure = time.monotonic(), None
+    manifest = _Manifest(prepared, total)
+    manifest.write("running", skipped)
+    if skipped < total:
+        context = DataContext.get_current()
+        context.checkpoint_config = CheckpointConfig(id_column=config.prompts.id_field,
+                                                     checkpoint_path=str(checkpoint),
+                                                     delete_checkpoint_on_success=False)
+        context.enable_progress_bars = bool(interactive if interactive is not None else stream.isatty())
+        progress = Progress(total, initial=skipped, interval_s=config.runner.progress_interval_s, stream=stream,
+                            interactive=False)
+        stop = threading.Event()
+        ticker = threading.Thread(target=_ticker, args=(progress, checkpoint, stop), daemon=True)
+        ticker.start()
+        try:
+            build_dataset(prepared).write_parquet(str(folder / DATA_DIR), min_rows_per_file=config.output.shard_size)
+        except Exception as error:  # an engine that kept dying, a worker lost beyond Ray Data's retries
+            failure = f"{type(error).__name__}: {str(error)[:2000]}"
+            logger.error("the Ray Data pipeline failed: %s", failure)
+        finally:
+            stop.set()
+            ticker.join()
+            done = committed_rows(checkpoint)
+            if done > progress.done:
+                progress.update(done - progress.done)
+            progress.close()
+    done, duplicates, errors = check_output(folder, config.prompts.id_field)
+    text = "".join(json.dumps(entry) + "\n" for entry in errors)
+    prepared.run_dir._atomic(prepared.run_dir.errors_path, lambda handle: handle.write(text.encode()))
+    result = DataRunResult(folder, total, skipped, done, len(errors), duplicates, time.monotonic() - started,
+                           failure)
+    manifest.write("complete" if result.complete else "incomplete", done, result)
+    return result
+
+
+class _Manifest:
+    """``manifest.json`` of a Ray Data run: config, fingerprint (what a rerun compares), counts, one entry per run."""
+
+    def __init__(self, prepared: Prepared, total: int) -> None:
+        self.prepared, self.total = prepared, total
+        self.run = {"id": os.urandom(3).hex(), "host": socket.gethostname(), "pid": os.getpid(),
+                    "started_at": time.time(), "engine": "ray_data"}
+
+    def write(self, status: str, done: int, result: DataRunResult | None = None) -> None:
+        from .runner import _versions
+
+        prepared = self.prepared
+        run_dir = prepared.run_dir
+        run = {**self.run, "updated_at": time.time(), "status": status}
+        if result is not None:
+            run.update(run_s=round(result.run_s, 3), prompts_run=result.prompts_run, failure=result.failure)
+        previous = [r for r in ((prepared.previous or {}).get("runs") or []) if r.get("id") != self.run["id"]]
+        manifest = {
+            "format": "nnsight_ray.batch/2 (ray data)", "status": status, "config_file": prepared.config_file,
+            "config": prepared.config.model_dump(mode="json"), "model_path": prepared.model_path,
+            "layout": {"data": f"{DATA_DIR}/*.parquet", "checkpoint": f"{CHECKPOINT_DIR}/",
+                       "id_column": prepared.config.prompts.id_field},
+            "versions": _versions(),
+            "counts": {"prompts": self.total, "prompts_done": done,
+                       **({"errors": result.errors, "duplicates": result.duplicates} if result else {})},
+            "fingerprint": run_dir.fingerprint, "fingerprint_digest": run_dir.digest,
+            "runs": previous + [run],
+        }
+        text = json.dumps(manifest, indent=2, default=str) + "\n"
+        run_dir._atomic(run_dir.manifest_path, lambda handle: handle.write(text.encode()))
+
+
+def raise_if_incomplete(result: DataRunResult) -> None:
+    if not result.complete:
+        error = BatchRunError(result.summary())
+        error.result = result
+        raise error

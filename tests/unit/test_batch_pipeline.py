@@ -1,0 +1,105 @@
+"""The batch CLI's Ray Data path without a cluster: which runs take it, the prompt source, the row format,
+the exactly-once count (``nnsight_ray.batch.pipeline``). End to end: tests/integration/test_batch_data.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from nnsight_ray.batch.config import PromptsConfig, validate
+from nnsight_ray.batch.pipeline import _caster, _row_encoder, _row_normalizer, check_output, committed_rows, route
+
+
+def config(tmp_path, **sections):
+    data = {"model": {"path": "m"}, "prompts": {"path": str(tmp_path / "p.jsonl")},
+            "saves": [{"location": "model.layers.1.output", "tokens": "all"}], "output": {"dir": str(tmp_path / "o")}}
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return validate(data)
+
+
+def test_runs_that_save_per_prompt_on_single_rank_engines_take_ray_data(tmp_path):
+    assert route(config(tmp_path)) is None
+    assert route(config(tmp_path, saves=None, intervention="iv.py")) is None
+    assert "activations" in route(config(tmp_path, output={"format": "activations"}))
+    assert "TP x PP = 2 x 1" in route(config(tmp_path, engine={"tensor_parallel_size": 2}))
+    assert "TP x PP = 1 x 2" in route(config(tmp_path, engine={"pipeline_parallel_size": 2}))
+    assert "--connect" in route(config(tmp_path), ["tp1"])
+
+
+def test_prompt_sources_local_or_any_uri_with_a_format():
+    assert PromptsConfig(path="p.jsonl").kind == "jsonl" and not PromptsConfig(path="p.jsonl").remote
+    uri = PromptsConfig(path="s3://bucket/prompts/", format="parquet")
+    assert uri.kind == "parquet" and uri.remote
+    assert PromptsConfig(path="hf://datasets/org/name/train.parquet").remote
+    assert not PromptsConfig(path="file:///data/p.txt").remote
+    with pytest.raises(ValueError, match="set prompts.format"):
+        PromptsConfig(path="s3://bucket/prompts/")
+
+
+def test_a_uri_on_the_runners_path_is_refused_before_anything_starts(tmp_path, capsys):
+    from nnsight_ray.batch.__main__ import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps({"model": {"path": "m"}, "prompts": {"path": "s3://b/p.jsonl"},
+                                "engine": {"tensor_parallel_size": 2}, "saves": [{"location": "logits"}],
+                                "output": {"dir": str(tmp_path / "o")}}))
+    assert main(["--config", str(path), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "'s3://b/p.jsonl': a URI is read by Ray Data" in err and "TP x PP = 2 x 1" in err
+
+
+def rows_as_written(rows, names):
+    """Rows through the pipeline's last three steps (postprocess on successes, normalize, cast) to one table."""
+    encode, normalize = _row_encoder("id", "text", names), _row_normalizer("id", "text", names)
+    out = [normalize(row if row.get("__inference_error__") else {**encode(row), "__inference_error__": ""})
+           for row in rows]
+    columns = {key: [row.get(key) for row in out] for key in dict.fromkeys(k for row in out for k in row)}
+    return _caster("id")(pa.table(columns))
+
+
+def test_rows_have_one_schema_successes_and_failures_alike():
+    h = np.arange(6, dtype=np.float16).reshape(2, 3)
+    ok = {"id": "a", "text": "hi", "prompt": "hi", "generated_text": " there", "generated_tokens": [1],
+          "model.layers.1.output": h, "params": "{}", "__inference_error__": ""}
+    failed = {"id": "b", "text": "x" * 9, "prompt": "x" * 9, "sampling_params": {"max_tokens": 1},
+              "generated_text": "", "model.layers.1.output": None,
+              "__inference_error__": "VLLMValidationError: too long"}
+    table = rows_as_written([ok, failed], ["model.layers.1.output"])
+    assert table.schema.field("model.layers.1.output").type == pa.list_(pa.float32())
+    assert table.schema.field("model.layers.1.output.shape").type == pa.list_(pa.int32())
+    assert table.column_names == ["id", "prompt", "error", "generated_text", "model.layers.1.output",
+                                  "model.layers.1.output.shape"]
+    first, second = table.to_pylist()
+    assert first["error"] is None and first["model.layers.1.output"] == [0, 1, 2, 3, 4, 5]
+    assert first["model.layers.1.output.shape"] == [2, 3] and first["generated_text"] == " there"
+    assert second == {"id": "b", "prompt": "x" * 9, "error": "VLLMValidationError: too long", "generated_text": None,
+                      "model.layers.1.output": None, "model.layers.1.output.shape": None}
+
+
+def test_an_interventions_values_are_the_names_it_returned():
+    ok = {"id": 3, "text": "hi", "prompt": "hi", "generated_text": "!", "top": np.int64(7),
+          "h2": np.ones(4, np.float32), "num_input_tokens": 2, "__inference_error__": ""}
+    table = rows_as_written([ok], None)
+    assert table.column_names == ["id", "prompt", "error", "generated_text", "top", "top.shape", "h2", "h2.shape"]
+    assert table.to_pylist()[0]["top"] == [7.0] and table.to_pylist()[0]["top.shape"] == []
+
+
+def test_the_output_is_counted_from_the_files(tmp_path):
+    """What a run reports: distinct ids in data/, ids written twice, the failed rows as errors.jsonl lines."""
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"id": ["a", "b"], "error": [None, "ValueError: no"]}), tmp_path / "data" / "x_0.parquet")
+    pq.write_table(pa.table({"id": ["c"], "error": [None]}), tmp_path / "data" / "x_1.parquet")
+    assert check_output(tmp_path, "id") == (3, 0, [{"id": "b", "type": "ValueError", "message": "no",
+                                                    "file": "x_0.parquet"}])
+    pq.write_table(pa.table({"id": ["a"], "error": [None]}), tmp_path / "data" / "x_2.parquet")
+    assert check_output(tmp_path, "id")[:2] == (3, 1)
+
+    (tmp_path / "checkpoint").mkdir()
+    pq.write_table(pa.table({"id": ["a", "b"]}), tmp_path / "checkpoint" / "x_0.parquet")
+    pq.write_table(pa.table({"id": ["c"]}), tmp_path / "checkpoint" / "x_1.pending.parquet")
+    assert committed_rows(tmp_path / "checkpoint") == 2, "a pending checkpoint is not done"
