@@ -9,9 +9,9 @@ what nnsight's ``NNsightLLMEngine.step`` adds in-process, distributed:
    ``SamplingParams.extra_args`` (the client ran nnsight's own
    ``_attach_mediators``), exactly as nnsight's in-process engine receives them.
 2. *Collect.* Every finished request (traced or not: registered blocks run on
-   requests nnsight never made) is collected on every rank. Requests finishing
-   close together share one ``collective_rpc("nnsight_ray_stash")``; each rank
-   keeps its payload locally (see ``ranks/rpcs.py``).
+   requests nnsight never made) is collected on every rank, a call's requests
+   together at its last end, by one ``collective_rpc("nnsight_ray_stash")``; each
+   rank keeps its payload locally (see ``ranks/rpcs.py``).
 3. *Hand off.* The engine tells the merge actor which requests are done and
    moves on. It never waits for a payload to move or merge, and never holds one.
 
@@ -64,6 +64,8 @@ class Report:
     collected: bool = True
     # The request carries a block of its own, or names registered edits.
     carries_block: bool = False
+    # Its end was taken (``EngineCore.finish``): a second finish of the same request is ignored.
+    ended: bool = False
 
 
 # Hands a batch of finished requests to the merge actors (never blocks).
@@ -132,6 +134,17 @@ def engine_args(spec: Any) -> tuple[dict[str, Any], list[str]]:
 # How long a dead engine's loop serves its waiters before vLLM's (blocking) shutdown.
 SHUTDOWN_AFTER_DEATH_S = 0.5
 
+# Loop turns a collection waits at most for more requests of the same step to end (``EngineCore._settle``);
+# "1" waits one turn, as before issue 53 (``--engines ray,ray%old --env old=NNSIGHT_RAY_SETTLE_TURNS=1``).
+SETTLE_TURNS = max(1, int(os.environ.get("NNSIGHT_RAY_SETTLE_TURNS", "16")))
+
+# A call's ended requests wait to be collected until its last one ends, up to this many (``EngineCore.finish``):
+# its prompts may start over several steps (256 on the 2-core CPU engine: 3), so end over several, and each
+# collection is a stash collective during which the engine core runs no step, though the caller gets nothing
+# before the call's last end. The cap bounds what a rank holds uncollected (on a GPU: saves on the device).
+# "0": each step's ends at once, as before issue 53 (``--env old=NNSIGHT_RAY_PARK_MAX=0``).
+PARK_MAX = int(os.environ.get("NNSIGHT_RAY_PARK_MAX", "1024"))
+
 # "1" (the default): an idle engine's scheduler is held (vLLM's ``pause_scheduler``, mode "keep") while a
 # call's first render batch is added, so its requests start in one step (``EngineCore._hold``); "0": not held
 # (``python -m benchmarks.gpu --engines ray,ray%nohold --env nohold=NNSIGHT_RAY_HOLD_ADDS=0`` compares them).
@@ -160,6 +173,10 @@ class EngineCore:
         # Every request submitted and not yet handed to ``notify``, by request id.
         self._unreported: dict[str, Report] = {}
         self._pending: list[Report] = []
+        # Requests of each group (a call) not ended yet, and its ended requests whose collection waits for
+        # the group's last end (``finish``: one stash collective per call, not one per step some of it ends in).
+        self._open: dict[str, int] = {}
+        self._parked: dict[str, list[Report]] = {}
         self._flush: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._died = asyncio.Event()
@@ -311,6 +328,7 @@ class EngineCore:
 
     def _track(self, group: str, index: int, param: Any = None) -> Report:
         report = Report(group, index, f"{group}-{index}", carries_block=carries_block(param))
+        self._open[group] = self._open.get(group, 0) + 1
         self.progress.busy(was_idle=not self._unreported)
         self._unreported[report.request_id] = report
         return report
@@ -383,17 +401,30 @@ class EngineCore:
         Requests finishing close together are collected by one
         ``collective_rpc("nnsight_ray_stash")`` and handed to the merge actors in
         one batch, so per-request cost on the engine's event loop is a list append.
-        A request already handed over (by ``fail``) is not reported again.
+        A request the ranks hold something of waits for the other requests of its
+        call (``PARK_MAX``): the call's result needs them all, so they are collected
+        together. A request already handed over (by ``fail``) is not reported again.
         """
-        if report.request_id not in self._unreported:
+        if report.request_id not in self._unreported or report.ended:
             return
+        report.ended = True
         self.timeline.mark(ENDED)
         report.output, report.error = output, error
         report.collected = self.needs_collect(report)
+        left = self._open.pop(report.group, 1) - 1
+        if left > 0:
+            self._open[report.group] = left
         if self.dead is not None:  # nothing to collect from a dead engine
             report.output, report.error = None, error or self.dead
             self._hand_over([report])
             return
+        if report.collected and left > 0:
+            parked = self._parked.setdefault(report.group, [])
+            if len(parked) < PARK_MAX:
+                parked.append(report)  # collected with the rest of its call (``PARK_MAX``)
+                return
+        if report.collected or left == 0:
+            self._pending.extend(self._parked.pop(report.group, ()))
         self._pending.append(report)
         if self._flush is None or self._flush.done():
             self._flush = asyncio.ensure_future(self._flush_pending())
@@ -407,9 +438,26 @@ class EngineCore:
         """
         return report.carries_block or bool(self.registered)
 
+    async def _settle(self) -> None:
+        """Yield until a loop turn adds no finished request: a step's ends are then all in ``_pending``.
+
+        vLLM's output handler hands a step's outputs over in chunks (``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE``,
+        128) a loop turn apart, and each request's task reports a turn later: one turn of waiting split
+        one step's 300 ends into two stash collectives (tests/unit/test_collect_batching.py). Bounded
+        (``SETTLE_TURNS``): ends come once a step, so this stops a few turns after the last chunk.
+        """
+        seen = -1
+        for _ in range(SETTLE_TURNS):
+            if len(self._pending) == seen:
+                return
+            seen = len(self._pending)
+            await asyncio.sleep(0)
+
     async def _flush_pending(self) -> None:
-        await asyncio.sleep(0)  # let every request finishing in this step enqueue first
-        while self._pending:
+        while True:
+            await self._settle()  # every request finishing in this step enqueues first
+            if not self._pending:
+                return
             batch, self._pending = self._pending, []
             try:
                 await self._collect(batch)
@@ -429,10 +477,17 @@ class EngineCore:
         if not wanted:  # plain requests, no registered block: nothing on any rank, no collective
             return
         ids = [r.request_id for r in wanted]
-        outputs = {r.request_id: r.output for r in wanted if r.output is not None}
         began = time.perf_counter()
         try:
-            await self.llm.collective_rpc("nnsight_ray_stash", args=(ids, pickle.dumps(outputs) if outputs else None))
+            # No outputs first: a rank answers which blocks are parked on ``tracer.result``, and only those
+            # requests' outputs are pickled to the ranks, in a second call (``RankRPCMixin.nnsight_ray_stash``).
+            answers = await self.llm.collective_rpc("nnsight_ray_stash", args=(ids, None, "defer"))
+            deferred = sorted({rid for answer in answers or () if isinstance(answer, list) for rid in answer})
+            if deferred:
+                by_id = {r.request_id: r for r in wanted}
+                outputs = {rid: by_id[rid].output for rid in deferred if by_id[rid].output is not None}
+                await self.llm.collective_rpc(
+                    "nnsight_ray_stash", args=(deferred, pickle.dumps(outputs) if outputs else None, "results"))
         except Exception as exception:
             failure = await self._explain(exception)
             for report in wanted:
@@ -497,7 +552,7 @@ class EngineCore:
         orphans = list(self._unreported.values())
         for report in orphans:
             report.output, report.error = None, report.error or error
-        self._pending = []
+        self._pending, self._parked, self._open = [], {}, {}
         self._hand_over(orphans)
         if self.on_dead is not None:
             try:

@@ -115,6 +115,26 @@ def _unserializable(entry: dict[str, Any], dumps: Any) -> str:
     return "a saved value"
 
 
+def parked_on_result(runner: Any, request_ids: list[str]) -> set[str]:
+    """Which of ``request_ids`` have a block parked on the run's result (``tracer.result``) on this rank.
+
+    nnsight serves a finished request's ``RequestOutput`` only to a block whose
+    pending read is ``"result"`` (``serve_result``); every other block is
+    collected without it. Keyed as the engine asked (``Request.key``).
+    """
+    requests = getattr(getattr(runner, "nnsight_requests", None), "requests", None)
+    if not requests:
+        return set()
+    wanted = set(request_ids)
+    parked = set()
+    for request in list(requests.values()):
+        mediator = request.mediator
+        pending = getattr(mediator, "pending", None) if mediator is not None else None
+        if getattr(pending, "provider", None) == "result" and mediator.alive and request.named(wanted):
+            parked.add(request.key(wanted)[0])
+    return parked & wanted
+
+
 class RankRPCMixin:
     """Describe this rank; collect finished requests into the rank-local stash."""
 
@@ -143,14 +163,21 @@ class RankRPCMixin:
             pass
         return info
 
-    def nnsight_ray_stash(self, request_ids: list[str], outputs: bytes | None = None) -> int:
+    def nnsight_ray_stash(self, request_ids: list[str], outputs: bytes | None = None, mode: str = "all") -> list[str]:
         """Collect each finished request on this rank and keep its entry here, unserialized.
 
         ``outputs`` is a pickled ``{request_id: RequestOutput}`` for serving
         ``tracer.result`` (absent for aborted requests, which are only wound
         up). The merge actor takes the entries, serialized on its own call
         (``take_serialized``): the engine core, blocked for this collective,
-        waits for nnsight's collect only. Returns how many entries were kept.
+        waits for nnsight's collect only.
+
+        ``mode``: ``"all"`` collects every request; ``"defer"`` (the engine's
+        first call, which sends no outputs) collects all but those whose block is
+        parked on ``tracer.result``, and returns those; ``"results"`` (its second
+        call, with their outputs) collects what this rank deferred. So a trace
+        whose blocks never read the result pickles no ``RequestOutput`` to the
+        ranks (``EngineCore._collect``). Returns the requests deferred.
         """
         from ..blocks import snapshot
         from ..merge.payload import dumps, unserialized
@@ -158,20 +185,27 @@ class RankRPCMixin:
         # Values kept for later pickling must be ones no later step writes: true of
         # snapshots (the default); with snapshots off, pickle now, as before.
         later = snapshot.enabled()
+        waiting: set[str] = self.__dict__.setdefault("_nnsight_ray_waiting", set())
+        deferred: set[str] = set()
+        if mode == "defer":
+            deferred = parked_on_result(self.model_runner, request_ids)
+            waiting.update(deferred)
+            request_ids = [rid for rid in request_ids if rid not in deferred]
+        elif mode == "results":  # only what this rank deferred: the first call stashed the rest
+            request_ids = [rid for rid in request_ids if rid in waiting]
+            waiting.difference_update(request_ids)
         finished = pickle.loads(outputs) if outputs else {}
         # One collect for the batch (nnsight keys its result by request), then one
         # entry per request: each request's merge may run on another merge actor.
         with unserialized():
-            collected = self.collect_nnsight(request_ids, request_ids, finished or None)
-        kept = 0
+            collected = self.collect_nnsight(request_ids, request_ids, finished or None) if request_ids else {}
         for rid in request_ids:
             entry = collected.get(rid) if collected else None
             if entry is None:
                 stash_put(rid, b"")
             else:
                 stash_put(rid, entry if later else serialize_entry(rid, entry, dumps))
-            kept += entry is not None
-        return kept
+        return sorted(deferred)
 
     def nnsight_ray_stash_size(self) -> int:
         return stash_size()
