@@ -3,6 +3,7 @@
 ::
 
     ray.data.read_json / read_parquet / read_datasource(TextLines)   the prompts, local or any URI Ray Data reads
+      -> repartition(target_num_rows_per_block=output.shard_size)       a block per file: written as it is done
       -> nnsight_ray.data.build_processor(NNsightEngineProcessorConfig)   one LocalVLLM per actor, one trace a batch
       -> rows (id, prompt, error, generated_text, <value>, <value>.shape)
       -> write_parquet(<output.dir>/data)   with DataContext.checkpoint_config keyed by the prompt id
@@ -233,7 +234,10 @@ def build_dataset(prepared: Prepared):
         postprocess=_row_encoder(id_field, text_field, names),
         builder_kwargs={"check": False},  # prepare() checked the engine arguments and the saves already
     )
-    dataset = processor(read_dataset(source)).map(_row_normalizer(id_field, text_field, names))
+    # Blocks of output.shard_size prompts: each one is a task of the engine stage and then a file, written and
+    # committed (checkpointed) as soon as its prompts are back, not when a whole input file's are.
+    prompts = read_dataset(source).repartition(target_num_rows_per_block=config.output.shard_size)
+    dataset = processor(prompts).map(_row_normalizer(id_field, text_field, names))
     return dataset.map_batches(_caster(id_field), batch_format="pyarrow")
 
 
