@@ -697,7 +697,7 @@ def test_the_documented_local_cluster_command_runs_in_a_fresh_process(model_dir,
     """docs/batch.md's first command, ``python -m nnsight_ray.batch --config cluster_configs/batch-demo.yaml
     --local-cluster 3``, from the repository root in a shell that says nothing of Ray (a fresh clone): it once
     hung for minutes, its driver dialling the machine's external address. Smaller here (``--set``): the session's
-    checkpoint, four prompts, one rank, the tests' KV cache."""
+    checkpoint, four prompts, one rank (so the Ray Data path: docs/batch.md's second command), the tests' KV cache."""
     prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:4])
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
@@ -710,8 +710,10 @@ def test_the_documented_local_cluster_command_runs_in_a_fresh_process(model_dir,
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"no answer in 420 s: {(error.stderr or b'')[-3000:]!r}")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "batch done: 4 prompts run" in done.stdout
-    assert [r["id"] for r in rows(tmp_path / "out")] == [f"q{i}" for i in range(4)]
+    assert "batch done: 4 prompts run" in done.stdout and "on Ray Data" in done.stdout  # TP=1: the Ray Data path
+    import pyarrow.parquet as pq
+
+    assert sorted(pq.read_table(tmp_path / "out" / "data").column("id").to_pylist()) == [f"q{i}" for i in range(4)]
 
 
 def test_submit_refuses_a_bad_config_before_contacting_any_cluster(tmp_path):
