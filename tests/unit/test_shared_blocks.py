@@ -213,3 +213,38 @@ def test_a_rank_reads_an_immutable_shared_state_once_and_gives_each_invoke_its_o
         loads_calls.clear()
         loads(blobs[0])
     assert len(loads_calls) == 1
+
+
+def test_an_attach_pickles_each_distinct_state_once_into_bytes_equal_to_nnsights(monkeypatch):
+    """``VLLM._attach_mediators`` calls its module's ``dumps`` per invoke: within ``shared_reductions`` the
+    request bytes of equal states are made once (one object), equal to nnsight's own pickling of each."""
+    from nnsight.intervention import serialization
+    from nnsight.modeling.vllm import vllm as nnsight_vllm
+
+    from nnsight_ray._internal.blocks import shared_blocks
+
+    def attach(mediators, cache: bool) -> list[bytes]:
+        monkeypatch.setattr(shared_blocks, "PAYLOAD_CACHE", cache)
+        with shared_blocks.shared_reductions(mediators):
+            assert (nnsight_vllm.dumps is shared_blocks._attach_dumps) is cache
+            payloads = [nnsight_vllm.dumps(m) for m in mediators]
+        assert nnsight_vllm.dumps is serialization.dumps and shared_blocks._attaches == 0
+        return payloads
+
+    def made(scale):
+        mediators = workers(4) + workers(2)
+        for m in mediators[:4]:
+            m.lcls["scale"] = scale  # the same object: one state
+        return mediators
+
+    scale = 2.5
+    theirs = attach(made(scale), cache=False)
+    pickled = []
+    reduce = shared_blocks.SharedReductionMediator.__reduce_ex__
+    monkeypatch.setattr(shared_blocks.SharedReductionMediator, "__reduce_ex__",
+                        lambda self, protocol: pickled.append(1) or reduce(self, protocol))
+    ours = attach(made(scale), cache=True)
+    assert ours == theirs and len({id(p) for p in ours[:4]}) == 1 and len(set(ours)) == 3
+    assert len(pickled) == 3  # nnsight's pickler ran once per distinct state, not once per invoke
+    with shared_blocks.shared_reductions(workers(1)):  # anything else: nnsight's own
+        assert nnsight_vllm.dumps({"a": [1]}) == serialization.dumps({"a": [1]})
