@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
 from ray.data.datasource import Datasource, ReadTask
 
 from ..data import NNsightEngineProcessorConfig, build_processor
@@ -43,7 +44,7 @@ from .config import BatchConfig, PromptsConfig
 from .errors import BatchConfigError, BatchRunError
 from .preflight import Prepared
 from .progress import Progress, format_duration
-from .shards import SHAPE_SUFFIX, to_array
+from .shards import SHAPE_SUFFIX
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,8 @@ def _row_encoder(id_field: str, text_field: str, names: list[str] | None):
         out = {id_field: row[id_field], "prompt": row[text_field], "error": None,
                "generated_text": row.get("generated_text")}
         for name in names if names is not None else [k for k in row if k not in skip]:
-            array = to_array(row[name])
+            # ndarrays, numpy scalars or plain values here (nnsight_ray.data restored them): no torch in this task
+            array = np.asarray(row[name], dtype=np.float32)
             out[name] = array.ravel().tolist()
             out[name + SHAPE_SUFFIX] = [int(n) for n in array.shape]
         return out
@@ -341,6 +343,7 @@ def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO
     manifest.write("running", skipped)
     if skipped < total:
         context = DataContext.get_current()
+        saved = context.checkpoint_config, context.enable_progress_bars  # put back after: this run's only
         context.checkpoint_config = CheckpointConfig(id_column=config.prompts.id_field,
                                                      checkpoint_path=str(checkpoint),
                                                      delete_checkpoint_on_success=False)
@@ -356,6 +359,7 @@ def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO
             failure = f"{type(error).__name__}: {str(error)[:2000]}"
             logger.error("the Ray Data pipeline failed: %s", failure)
         finally:
+            context.checkpoint_config, context.enable_progress_bars = saved
             stop.set()
             ticker.join()
             done = committed_rows(checkpoint)

@@ -172,3 +172,116 @@ def test_a_killed_driver_resumes_through_ray_data_checkpointing_with_every_promp
     assert f"0 prompts run, {len(prompts)} already done" in third.stdout
     assert "NNsightEngineStageUDF" not in third.stdout + third.stderr, "a finished folder starts no engine"
     assert sorted(p.name for p in (out / "data").iterdir()) == files
+
+
+def test_an_intervention_over_a_txt_file_fails_its_prompt_alone(ray_cluster, local_llama, model_dir, tmp_path):
+    """``intervention`` instead of saves, prompts from a ``.txt`` file (ids = line numbers), a key from ``--set``:
+    the prompt whose ``intervene`` raises is a row with ``"ValueError: ..."`` and a line in errors.jsonl, every
+    other row equals the in-process engine's."""
+    prompts = ["Hello, world!", "seven!!", "1 2 3 4 5", "Hi", "abc def ghi jkl"]
+    assert [len(local_llama.tokenizer(p)["input_ids"]) for p in prompts].count(7) == 1
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    (tmp_path / "iv.py").write_text(
+        "def intervene(model, tracer):\n"
+        "    out = model.model.layers[2].output\n"
+        "    hidden = out[0] + out[1]\n"
+        "    if hidden.shape[0] == 7:\n"
+        "        raise ValueError(f'seven tokens: {hidden.shape[0]}')\n"
+        "    return {'h2': hidden[-1], 'top': model.logits[-1].argmax()}\n")
+    out = tmp_path / "out"
+    config = {"model": {"path": model_dir}, "engine": {"engine_kwargs": dict(ENGINE_KWARGS)},
+              "prompts": {"path": str(tmp_path / "prompts.txt")}, "intervention": str(tmp_path / "iv.py"),
+              "output": {"dir": str(out), "shard_size": 2}, "runner": {"max_in_flight": 8, "prompts_per_trace": 4}}
+    command, env = cli(config, tmp_path, ray_cluster.address)
+    done = subprocess.run(command + ["--set", "output.shard_size=3"], env=env, capture_output=True, text=True,
+                          timeout=480)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "5 prompts run, 0 already done, 1 errors" in done.stdout
+    by_id = {r["id"]: r for r in written(out)}
+    assert sorted(by_id) == ["1", "2", "3", "4", "5"]
+    assert by_id["2"]["error"] == "ValueError: seven tokens: 7" and by_id["2"]["prompt"] == "seven!!"
+    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    assert [(e["id"], e["type"], e["message"]) for e in errors] == [("2", "ValueError", "seven tokens: 7")]
+    assert json.loads((out / "manifest.json").read_text())["config"]["output"]["shard_size"] == 3  # from --set
+    for key in ("1", "3", "4", "5"):
+        row = by_id[key]
+        with local_llama.trace(row["prompt"], temperature=0.0, max_tokens=1):
+            o = local_llama.model.layers[2].output
+            h2 = (o[0] + o[1])[-1].clone().save()
+            top = local_llama.logits[-1].argmax().save()
+        assert row["error"] is None and row["h2.shape"] == [128] and row["top"] == [float(top)]
+        assert_close(value(row, "h2"), h2, rel=1e-4)
+
+
+def fake_processor(fail_on: str | None = None):
+    """``build_processor`` with the engine stage replaced by a row function (a value per prompt from its id), so
+    Ray Data's reading, checkpointing and writing run for real, in seconds; ``fail_on``: that prompt's task raises,
+    as a batch does whose engine kept dying."""
+    import numpy as np
+
+    def build(config, preprocess=None, postprocess=None, builder_kwargs=None):
+        def stage(row):
+            if row["id"] == fail_on:
+                raise RuntimeError("engine died")
+            return postprocess({**row, "generated_text": "!", "logits": np.full(3, float(row["id"][1:]))})
+
+        return lambda dataset: dataset.map(stage)
+
+    return build
+
+
+def test_ray_data_checkpointing_redoes_pending_files_and_a_failed_run_resumes(ray_cluster, tmp_path, monkeypatch):
+    """What a killed driver can leave (a file whose checkpoint is still pending, a file never written) and a run
+    that failed (exit 1): the next run writes each missing prompt once, keeps every committed file."""
+    from nnsight_ray.batch import pipeline
+    from nnsight_ray.batch.config import validate
+    from nnsight_ray.batch.preflight import prepare
+
+    ids = [f"q{i}" for i in range(20)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": i, "prompt": f"prompt {i}"}) + "\n" for i in ids))
+    out = tmp_path / "out"
+    config = validate({"model": {"path": "m"}, "prompts": {"path": str(tmp_path / "p.jsonl")},
+                       "saves": [{"location": "logits"}], "output": {"dir": str(out), "shard_size": 2},
+                       "runner": {"progress_interval_s": 0.2}})
+
+    def run(fail_on=None):
+        monkeypatch.setattr(pipeline, "build_processor", fake_processor(fail_on))
+        return pipeline.run_on_ray_data(prepare(config, resolve=False), stream=open(os.devnull, "w"))
+
+    failed = run(fail_on="q13")
+    assert not failed.complete and "engine died" in failed.failure and failed.prompts_done < 20
+    before = committed_ids(out)
+    first = run()
+    assert first.complete, first.failure
+    assert first.prompts_skipped == before and first.prompts_run == 20 - before
+    assert first.prompts_done == 20 and first.duplicates == 0
+
+    # As a driver killed mid-write leaves it: one file's checkpoint still pending; another file never written.
+    pending, lost = sorted(committed(out))[:2]
+    pending_rows = pq_ids(pending)
+    pending.rename(pending.with_name(pending.stem + ".pending.parquet"))
+    lost_rows = pq_ids(lost)
+    for data in (out / "data").glob(lost.stem + "*.parquet"):
+        data.unlink()
+    lost.unlink()
+    kept = {p.name: p.stat().st_mtime_ns for p in (out / "data").glob("*.parquet")
+            if not p.name.startswith(pending.stem)}
+    again = run()
+    assert again.complete and again.prompts_skipped == 20 - len(pending_rows) - len(lost_rows)
+    assert again.prompts_run == len(pending_rows) + len(lost_rows)
+    rows = written(out)
+    assert sorted(r["id"] for r in rows) == sorted(ids), "every prompt exactly once"
+    assert all(r["logits"] == [float(r["id"][1:])] * 3 for r in rows)
+    assert not list((out / "data").glob(pending.stem + "*")), "the pending checkpoint's file was deleted"
+    assert {name: (out / "data" / name).stat().st_mtime_ns for name in kept} == kept
+    assert not list((out / "checkpoint").glob("*.pending.parquet"))
+
+
+def pq_ids(path: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).column("id").to_pylist()
+
+
+def committed_ids(folder: Path) -> int:
+    return sum(len(pq_ids(p)) for p in committed(folder))
