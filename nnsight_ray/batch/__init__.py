@@ -2,9 +2,8 @@
 
 Entry points: ``python -m nnsight_ray.batch --config run.yaml`` (and
 ``nnsight-ray batch``): a Ray Data pipeline over ``nnsight_ray.data``
-(``pipeline``) for runs that save values per prompt on single-rank engines,
-the hand-written runner for activation datasets, TP x PP > 1 and
-``--connect``. From Python (the runner)::
+(``pipeline``) for runs that save values per prompt, the hand-written
+runner for activation datasets and ``--connect``. From Python (the runner)::
 
     from nnsight_ray.batch import load_config, run_batch
     result = run_batch(load_config("run.yaml", ["engine.replicas=2"]))

@@ -19,7 +19,7 @@ Examples::
     python -m nnsight_ray.batch --config run.yaml --set engine.replicas=2 --set output.dir=runs/r2
 
 Runs that save values per prompt run as a Ray Data pipeline (``pipeline``,
-over ``nnsight_ray.data``); activation datasets, TP x PP > 1 and ``--connect``
+over ``nnsight_ray.data``, any TP x PP); activation datasets and ``--connect``
 on the hand-written runner (``runner``). Rerunning the same command resumes:
 what was written is kept, the rest runs. Exit status: 0 done, 1 unfinished
 (rerun to resume), 2 bad config or inputs (nothing started).

@@ -17,8 +17,8 @@ failed prompt (its intervention raised, vLLM refused it) is a row with
 ``error`` set (Ray Data LLM's ``__inference_error__``) and a line in
 ``errors.jsonl``; the run goes on.
 
-Which runs take this path: ``route``. Activation datasets, TP x PP > 1 and
-``--connect`` keep the hand-written runner (``runner``) until
+Which runs take this path: ``route``. Activation datasets and ``--connect``
+keep the hand-written runner (``runner``) until
 ``nnsight_ray.data`` does them (docs/batch.md, "What still runs on the runner").
 """
 
@@ -59,9 +59,6 @@ def route(config: BatchConfig, connect: list[str] | None = None) -> str | None:
     """None when ``config`` runs on Ray Data; else why it takes the hand-written runner."""
     if config.activations:
         return "output.format=activations (ranks write safetensors; not in nnsight_ray.data yet)"
-    if config.engine.world_size > 1:
-        return (f"TP x PP = {config.engine.tensor_parallel_size} x {config.engine.pipeline_parallel_size} "
-                "(nnsight_ray.data runs single-rank engines for now)")
     if connect:
         return "--connect (a running deployment, not a Ray Data actor pool)"
     return None
@@ -203,9 +200,16 @@ def processor_config(prepared: Prepared) -> NNsightEngineProcessorConfig:
     """The batch config's engine section and runner tuning, as ``nnsight_ray.data``'s processor config."""
     config = prepared.config
     engine, runner = config.engine, config.runner
+    gpus = engine.gpus_per_rank if _gpu_platform() else 0.0
+    layout: dict[str, Any] = {}
+    if engine.world_size > 1:  # an engine of several ranks: one placement group per engine actor, a bundle a rank
+        layout = {"tensor_parallel_size": engine.tensor_parallel_size,
+                  "pipeline_parallel_size": engine.pipeline_parallel_size}
     return NNsightEngineProcessorConfig(
         model_source=prepared.model_path,
-        engine_kwargs=dict(engine.engine_kwargs),
+        engine_kwargs={**engine.engine_kwargs, **layout},
+        placement_group_config={"bundle_per_worker": {"CPU": engine.cpus_per_rank, "GPU": gpus},
+                                "strategy": engine.placement_strategy} if layout else None,
         concurrency=(engine.replicas, engine.replicas),
         batch_size=runner.prompts_per_trace,
         max_concurrent_batches=max(1, runner.max_in_flight // runner.prompts_per_trace),
@@ -213,7 +217,7 @@ def processor_config(prepared: Prepared) -> NNsightEngineProcessorConfig:
         saves=list(config.saves) if config.saves else None,
         intervention=str(Path(config.intervention).expanduser().resolve()) if config.intervention else None,
         num_cpus=engine.cpus_per_rank,
-        num_gpus=engine.gpus_per_rank if _gpu_platform() else 0.0,
+        num_gpus=gpus,
     )
 
 

@@ -22,12 +22,11 @@ def config(tmp_path, **sections):
     return validate(data)
 
 
-def test_runs_that_save_per_prompt_on_single_rank_engines_take_ray_data(tmp_path):
+def test_runs_that_save_per_prompt_take_ray_data(tmp_path):
     assert route(config(tmp_path)) is None
     assert route(config(tmp_path, saves=None, intervention="iv.py")) is None
     assert "activations" in route(config(tmp_path, output={"format": "activations"}))
-    assert "TP x PP = 2 x 1" in route(config(tmp_path, engine={"tensor_parallel_size": 2}))
-    assert "TP x PP = 1 x 2" in route(config(tmp_path, engine={"pipeline_parallel_size": 2}))
+    assert route(config(tmp_path, engine={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})) is None
     assert "--connect" in route(config(tmp_path), ["tp1"])
 
 
@@ -46,11 +45,11 @@ def test_a_uri_on_the_runners_path_is_refused_before_anything_starts(tmp_path, c
 
     path = tmp_path / "run.yaml"
     path.write_text(json.dumps({"model": {"path": "m"}, "prompts": {"path": "s3://b/p.jsonl"},
-                                "engine": {"tensor_parallel_size": 2}, "saves": [{"location": "logits"}],
-                                "output": {"dir": str(tmp_path / "o")}}))
+                                "saves": [{"location": "model.layers.0.output", "tokens": "all"}],
+                                "output": {"dir": str(tmp_path / "o"), "format": "activations"}}))
     assert main(["--config", str(path), "--check"]) == 2
     err = capsys.readouterr().err
-    assert "'s3://b/p.jsonl': a URI is read by Ray Data" in err and "TP x PP = 2 x 1" in err
+    assert "'s3://b/p.jsonl': a URI is read by Ray Data" in err and "output.format=activations" in err
 
 
 def rows_as_written(rows, names):
@@ -103,3 +102,19 @@ def test_the_output_is_counted_from_the_files(tmp_path):
     pq.write_table(pa.table({"id": ["a", "b"]}), tmp_path / "checkpoint" / "x_0.parquet")
     pq.write_table(pa.table({"id": ["c"]}), tmp_path / "checkpoint" / "x_1.pending.parquet")
     assert committed_rows(tmp_path / "checkpoint") == 2, "a pending checkpoint is not done"
+
+
+def test_the_engine_layout_becomes_the_processors(tmp_path):
+    """TP x PP > 1: the layout in engine_kwargs, a placement group per engine actor with a bundle per rank."""
+    from types import SimpleNamespace
+
+    from nnsight_ray.batch.pipeline import processor_config
+
+    one = processor_config(SimpleNamespace(config=config(tmp_path, engine={"replicas": 2}), model_path="/m"))
+    assert one.placement_group_config is None and "tensor_parallel_size" not in one.engine_kwargs
+    assert one.concurrency == (2, 2) and one.batch_size == 8 and one.model_source == "/m"
+    four = processor_config(SimpleNamespace(model_path="/m", config=config(
+        tmp_path, engine={"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "placement_strategy": "SPREAD"})))
+    assert four.engine_kwargs["tensor_parallel_size"] == 2 and four.engine_kwargs["pipeline_parallel_size"] == 2
+    bundles, strategy = four.rank_bundles()
+    assert bundles == [{"CPU": 1.0}] * 4 and strategy == "SPREAD"
