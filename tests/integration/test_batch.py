@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -478,9 +479,11 @@ def test_a_killed_driver_that_started_its_engine_leaves_no_actor_and_no_reservat
     import ray
 
     prompts = [f"orphan {i}" for i in range(400)]
-    config = make_config(tmp_path, model_dir, prompts, output={"dir": str(tmp_path / "out"), "shard_size": 4},
-                         runner={"max_in_flight": 1, "prompts_per_trace": 1, "progress_interval_s": 1},
-                         sampling={"max_tokens": 8})
+    # An activation dataset: the run the hand-written runner keeps (values per prompt go through Ray Data,
+    # whose actor pool is the driver's too: test_batch_data.py).
+    config = make_config(tmp_path, model_dir, prompts, saves=ACTIVATIONS[:1], sampling={"max_tokens": 8},
+                         output={"dir": str(tmp_path / "out"), "shard_size": 4, "format": "activations"},
+                         runner={"max_in_flight": 4, "progress_interval_s": 1})
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "nnsight_ray.batch", "--config", str(path), "--address", ray_cluster.address]
@@ -489,28 +492,32 @@ def test_a_killed_driver_that_started_its_engine_leaves_no_actor_and_no_reservat
     log = tmp_path / "driver.log"
     with open(log, "wb") as handle:
         driver = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while not list(out.glob("shard-*.parquet")):  # its engine is up and serving
-        assert driver.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "no shard written in 300 s"
-        time.sleep(0.2)
-    tag = json.loads((out / "manifest.json").read_text())["runs"][-1]["id"]
-    prefix = f"batch-{tag}-"
 
-    def held():
+    def held(prefix: str) -> tuple[list[str], list[str]]:
         actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
         groups = [pg["name"] for pg in ray.util.placement_group_table().values()
                   if (pg.get("name") or "").startswith(prefix) and pg["state"] != "REMOVED"]
         return actors, groups
 
-    actors, groups = held()
-    assert actors and groups, f"the driver's engine is not where it was looked for: {actors}, {groups}"
-    driver.send_signal(signal.SIGKILL)
-    driver.wait(timeout=60)
-    deadline = time.monotonic() + 60
-    while any(held()):
-        assert time.monotonic() < deadline, f"left behind 60 s after the driver died: {held()}"
-        time.sleep(1)
+    try:
+        deadline = time.monotonic() + 400
+        while not re.search(r"batch: [1-9]\d*/400 prompts", log.read_text()):  # its engine is up and serving
+            assert driver.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no prompt done in 400 s: " + log.read_text()[-2000:]
+            time.sleep(0.2)
+        prefix = f"batch-{json.loads((out / 'manifest.json').read_text())['runs'][-1]['id']}-"
+        actors, groups = held(prefix)
+        assert actors and groups, f"the driver's engine is not where it was looked for: {actors}, {groups}"
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while any(held(prefix)):
+            assert time.monotonic() < deadline, f"left behind 60 s after the driver died: {held(prefix)}"
+            time.sleep(1)
+    finally:
+        if driver.poll() is None:  # a failed check above must not leave a driver running
+            driver.kill()
+            driver.wait(timeout=60)
 
 
 # --------------------------------------------------------------------------- bad inputs
@@ -777,11 +784,13 @@ def test_ray_job_submit_writes_shards_equal_to_local_traces(head_node, local_lla
     config = make_config(tmp_path, model_dir, prompts, engine={"replicas": 1, "placement_strategy": "PACK"},
                          runner={"max_in_flight": 4, "prompts_per_trace": 2, "progress_interval_s": 1})
     done = submit_batch(head_node["dashboard"], config, tmp_path, head_node["env"])
-    assert "SUCCEEDED" in done.stdout and "batch done" in done.stdout and "prompts/s" in done.stdout
-    got = rows(tmp_path / "out")
+    assert "SUCCEEDED" in done.stdout and "batch done" in done.stdout and "on Ray Data" in done.stdout
+    # values per prompt run as a Ray Data pipeline: its rows are under out/data (test_batch_data.py)
+    import pyarrow.parquet as pq
+
+    got = sorted((row for path in sorted((tmp_path / "out" / "data").glob("*.parquet"))
+                  for row in pq.read_table(path).to_pylist()), key=lambda row: row["id"])
     assert [r["id"] for r in got] == [f"q{i}" for i in range(len(prompts))]
     for row in got:
+        assert not row["error"], row["error"]
         check_against_local(local_llama, row, config["saves"])
-    replicas = json.loads((tmp_path / "out" / "manifest.json").read_text())["runs"][-1]["replicas"]
-    # the job started its own engine (several replicas: test_two_replicas_give_the_same_outputs_as_one)
-    assert len(replicas) == 1 and all(r["owned"] for r in replicas)
