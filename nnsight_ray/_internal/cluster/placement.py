@@ -212,7 +212,8 @@ def plan_placement(placement: RankPlacement, world_size: int, detached: bool = F
     core, whose start-up failure only says "see root cause above". The group
     lives as long as its deployment: ``detached`` only for a detached
     deployment (removed at its shutdown); otherwise Ray removes it with the
-    process (driver or actor) that reserved it, even one killed outright. A
+    job that reserved it (a driver killed outright included); one reserved in
+    an actor outlives that actor while its job lives, so it must be removed. A
     group the caller named is checked (ready, enough bundles), not reserved.
     """
     if placement.ray_address is None:
@@ -249,10 +250,11 @@ class RankReservation:
     def reserve(cls, placement: RankPlacement, world_size: int, detached: bool = False) -> "RankReservation":
         """The ranks' group: the caller's (checked), or one reserved now, named ``<engine>.ranks``.
 
-        A group created here is scoped to this process (its job, or the actor it
-        runs in) unless ``detached``: a detached deployment outlives the job that
-        reserved it (``deploy.shutdown`` releases it); any other is Ray's to
-        remove with its creator, so a killed driver leaves nothing reserved.
+        A group created here is scoped to this process's job unless ``detached``: a
+        detached deployment outlives the job that reserved it (``deploy.shutdown``
+        releases it); any other is Ray's to remove with its job, so a killed
+        driver leaves nothing reserved (a killed actor's group stays until its
+        job ends).
         """
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
