@@ -18,9 +18,9 @@ Examples::
     # two engines instead of one, another output folder:
     python -m nnsight_ray.batch --config run.yaml --set engine.replicas=2 --set output.dir=runs/r2
 
-Runs that save values per prompt run as a Ray Data pipeline (``pipeline``,
-over ``nnsight_ray.data``, any TP x PP); activation datasets and ``--connect``
-on the hand-written runner (``runner``). Rerunning the same command resumes:
+Runs take a Ray Data pipeline (``pipeline``, over ``nnsight_ray.data``, any
+TP x PP): values per prompt and activation datasets alike; ``--connect`` the
+hand-written runner (``runner``). Rerunning the same command resumes:
 what was written is kept, the rest runs. Exit status: 0 done, 1 unfinished
 (rerun to resume), 2 bad config or inputs (nothing started).
 """
@@ -72,7 +72,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         loopback_only()
     from .config import load_config
     from .errors import BatchConfigError, BatchRunError
-    from .pipeline import check_source, route
+    from .pipeline import ACTIVATIONS_DIR, check_source, route
 
     _logging(args.verbose)
     try:
@@ -94,9 +94,11 @@ def run_from_args(args: argparse.Namespace) -> int:
 
                 connect_ray(args.address)
                 count = check_source(config.prompts)
-            print(f"config OK: {count} prompts -> {prepared.run_dir.path}, on "
-                  + (f"the hand-written runner ({runner_reason}), {len(prepared.plans)} shards" if runner_reason
+            where = (f"the hand-written runner ({runner_reason}), {len(prepared.plans)} shards" if runner_reason
                      else "Ray Data (nnsight_ray.data)")
+            if config.activations and not runner_reason:
+                where += f"; the engines' ranks write the activation files into {prepared.run_dir.path / ACTIVATIONS_DIR}"
+            print(f"config OK: {count} prompts -> {prepared.run_dir.path}, on {where}"
                   + (f"; saves read in order {[r.name for r in prepared.reads]}" if prepared.reads else ""))
             return 0
     except BatchConfigError as error:

@@ -22,13 +22,12 @@ manifest's description of its layout, and which shards on disk are finished
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 from .config import BatchConfig
 from .errors import BatchConfigError
-from .replicas import (InFlight, Replica, collect_commits, commit_extract, discard_extract, part_name, submit_extract,
-                       submit_trace)
+from .replicas import (InFlight, Replica, collect_commits, commit_extract, discard_extract, part_name, part_rows,
+                       submit_extract, submit_trace)
 from .scheduler import Chunk, ShardState
 from .shards import RunDir, ShardPlan, ShardRecord
 
@@ -161,14 +160,9 @@ class ActivationDatasets(OutputFormat):
         if isinstance(written, BaseException):
             return written
         base = entry.chunk.shard * self.config.output.shard_size
-        files = [Path(w["file"]).name for w in written if w.get("file")]
-        rows = []
-        for position in entry.chunk.positions:
-            counts = {w["prompts"].get(base + position) for w in written}
-            if len(counts) == 1 and None not in counts:
-                rows.append({"tokens": counts.pop(), "files": files})
-            else:
-                rows.append(None)  # the ranks hold no rows of it: vLLM never ran it whole
+        files, counts = part_rows(written, [base + position for position in entry.chunk.positions])
+        # None: the ranks hold no rows of it (vLLM never ran it whole)
+        rows = [None if count is None else {"tokens": count, "files": files} for count in counts]
         return {"rows": rows, "bytes": sum(w.get("bytes", 0) for w in written)}
 
     def write_shard(self, run_dir: RunDir, state: ShardState, record: ShardRecord,

@@ -1,12 +1,19 @@
-"""A batch config as a Ray Data pipeline: ``python -m nnsight_ray.batch`` for runs that save values per prompt.
+"""A batch config as a Ray Data pipeline: ``python -m nnsight_ray.batch`` (all but ``--connect`` runs).
 
 ::
 
     ray.data.read_json / read_parquet / read_datasource(TextLines)   the prompts, local or any URI Ray Data reads
       -> repartition(target_num_rows_per_block=output.shard_size)       a block per file: written as it is done
-      -> nnsight_ray.data.build_processor(NNsightEngineProcessorConfig)   one LocalVLLM per actor, one trace a batch
+      -> nnsight_ray.data.build_processor(NNsightEngineProcessorConfig)   an engine per actor, one trace a batch
       -> rows (id, prompt, error, generated_text, <value>, <value>.shape)
       -> write_parquet(<output.dir>/data)   with DataContext.checkpoint_config keyed by the prompt id
+
+An activation dataset (``output.format: activations``) is the processor's
+activation mode: each block of ``output.shard_size`` prompts is one batch, one
+part of safetensors files the engine's ranks write into
+``<output.dir>/activations/``; its rows (id, prompt, error, files,
+prompt_index, tokens) say where each prompt's token rows are. After a complete
+run, files no row names (a killed run's) are deleted (``remove_orphans``).
 
 Resume is Ray Data's checkpointing (``IdColumnCheckpointManager``): each
 written file's prompt ids are recorded as a pending checkpoint before the file
@@ -17,9 +24,8 @@ failed prompt (its intervention raised, vLLM refused it) is a row with
 ``error`` set (Ray Data LLM's ``__inference_error__``) and a line in
 ``errors.jsonl``; the run goes on.
 
-Which runs take this path: ``route``. Activation datasets and ``--connect``
-keep the hand-written runner (``runner``) until
-``nnsight_ray.data`` does them (docs/batch.md, "What still runs on the runner").
+Which runs take this path: ``route``. ``--connect`` keeps the hand-written
+runner (``runner``; docs/batch.md, "What still runs on the runner").
 """
 
 from __future__ import annotations
@@ -48,17 +54,19 @@ from .shards import SHAPE_SUFFIX
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataRunResult", "TextLines", "build_dataset", "check_output", "read_dataset", "route", "run_on_ray_data"]
+__all__ = ["DataRunResult", "TextLines", "build_dataset", "check_output", "read_dataset", "remove_orphans", "route",
+           "run_on_ray_data"]
 
 DATA_DIR = "data"
 CHECKPOINT_DIR = "checkpoint"
+ACTIVATIONS_DIR = "activations"
 _FIXED = ("prompt", "error", "generated_text")
+#: An activation dataset's row columns besides the id, prompt and error, as a failed row has them (null).
+_ACTIVATION_ROW = {"files": None, "prompt_index": None, "tokens": None}
 
 
 def route(config: BatchConfig, connect: list[str] | None = None) -> str | None:
     """None when ``config`` runs on Ray Data; else why it takes the hand-written runner."""
-    if config.activations:
-        return "output.format=activations (ranks write safetensors; not in nnsight_ray.data yet)"
     if connect:
         return "--connect (a running deployment, not a Ray Data actor pool)"
     return None
@@ -159,32 +167,53 @@ def _row_encoder(id_field: str, text_field: str, names: list[str] | None):
     return encode
 
 
-def _row_normalizer(id_field: str, text_field: str, names: list[str] | None):
-    """Every row in one schema: a failed row (it bypassed postprocess, whole) as id, prompt, error, nulls."""
+def _activation_encoder(id_field: str, text_field: str, folder: str):
+    """An activation dataset's postprocess (successful rows): where the prompt's token rows are.
+
+    ``files`` are relative to ``output.dir`` (``activations/part-<uuid>.safetensors``, one per pipeline stage);
+    ``prompt_index`` is the files' ``prompt_index`` value at the prompt's rows, ``tokens`` how many rows it has.
+    """
+
+    def encode(row: dict[str, Any]) -> dict[str, Any]:
+        return {id_field: row[id_field], "prompt": row[text_field], "error": None,
+                "files": [f"{folder}/{name}" for name in row["activation_files"]],
+                "prompt_index": int(row["activation_index"]), "tokens": int(row["activation_rows"])}
+
+    return encode
+
+
+def _row_normalizer(id_field: str, text_field: str, empty: dict[str, None]):
+    """Every row in one schema: a failed row (it bypassed postprocess, whole) as id, prompt, error, then ``empty``."""
 
     def normalize(row: dict[str, Any]) -> dict[str, Any]:
         error = row.get(ERROR)
         if not error:
             return {key: value for key, value in row.items() if key != ERROR}
-        out = {id_field: row.get(id_field), "prompt": row.get(text_field), "error": error, "generated_text": None}
-        for name in names or []:
-            out[name] = out[name + SHAPE_SUFFIX] = None
-        return out
+        return {id_field: row.get(id_field), "prompt": row.get(text_field), "error": error, **empty}
 
     return normalize
 
 
-def _caster(id_field: str):
-    """A block's columns as the shard format types them: values list<float32>, shapes list<int32>, text strings."""
+def _failed_values(names: list[str] | None) -> dict[str, None]:
+    """A failed row's columns after its error, per prompt: no text, each saved value and its shape null."""
+    return {"generated_text": None, **{key: None for name in names or [] for key in (name, name + SHAPE_SUFFIX)}}
+
+
+def _caster(id_field: str, activations: bool = False):
+    """A block's columns as the shard format types them: values list<float32>, shapes list<int32>, text strings;
+    an activation dataset's files list<string>, prompt_index and tokens int64."""
 
     def cast(table):
         import pyarrow as pa
 
+        typed = {"files": pa.list_(pa.string()), "prompt_index": pa.int64(), "tokens": pa.int64()} if activations else {}
         columns = {}
         for name in table.column_names:
             column = table.column(name)
             if name == id_field:
                 columns[name] = column
+            elif name in typed:
+                columns[name] = column.cast(typed[name])
             elif name in _FIXED:
                 columns[name] = column.cast(pa.string())
             elif name.endswith(SHAPE_SUFFIX):
@@ -197,24 +226,35 @@ def _caster(id_field: str):
 
 
 def processor_config(prepared: Prepared) -> NNsightEngineProcessorConfig:
-    """The batch config's engine section and runner tuning, as ``nnsight_ray.data``'s processor config."""
+    """The batch config's engine section and runner tuning, as ``nnsight_ray.data``'s processor config.
+
+    An activation dataset: the processor's ``activations`` (into ``<output.dir>/activations``), a batch per
+    block of ``output.shard_size`` prompts (one part of files), ``max_in_flight() / shard_size`` parts in flight.
+    """
     config = prepared.config
-    engine, runner = config.engine, config.runner
+    engine, runner, output = config.engine, config.runner, config.output
     gpus = engine.gpus_per_rank if _gpu_platform() else 0.0
     layout: dict[str, Any] = {}
     if engine.world_size > 1:  # an engine of several ranks: one placement group per engine actor, a bundle a rank
         layout = {"tensor_parallel_size": engine.tensor_parallel_size,
                   "pipeline_parallel_size": engine.pipeline_parallel_size}
+    activations = None
+    if config.activations:
+        activations = {"dir": str(Path(output.dir).expanduser().resolve() / ACTIVATIONS_DIR),
+                       "locations": [spec.location for spec in config.saves or []], "dtype": output.dtype,
+                       "generated": output.generated, "fsync": output.fsync}
+    batch_size = output.shard_size if activations else runner.prompts_per_trace
     return NNsightEngineProcessorConfig(
         model_source=prepared.model_path,
         engine_kwargs={**engine.engine_kwargs, **layout},
         placement_group_config={"bundle_per_worker": {"CPU": engine.cpus_per_rank, "GPU": gpus},
-                                "strategy": engine.placement_strategy} if layout else None,
+                                "strategy": engine.placement_strategy} if layout or activations else None,
         concurrency=(engine.replicas, engine.replicas),
-        batch_size=runner.prompts_per_trace,
-        max_concurrent_batches=max(1, runner.max_in_flight // runner.prompts_per_trace),
+        batch_size=batch_size,
+        max_concurrent_batches=max(1, config.max_in_flight() // batch_size),
         should_continue_on_error=True,
-        saves=list(config.saves) if config.saves else None,
+        activations=activations,
+        saves=list(config.saves) if config.saves and not activations else None,
         intervention=str(Path(config.intervention).expanduser().resolve()) if config.intervention else None,
         num_cpus=engine.cpus_per_rank,
         num_gpus=gpus,
@@ -234,17 +274,21 @@ def build_dataset(prepared: Prepared):
     id_field, text_field = source.id_field, source.text_field
     sampling = config.sampling.model_dump()
     names = [spec.location for spec in config.saves] if config.saves else None
+    if config.activations:
+        postprocess, empty = _activation_encoder(id_field, text_field, ACTIVATIONS_DIR), _ACTIVATION_ROW
+    else:
+        postprocess, empty = _row_encoder(id_field, text_field, names), _failed_values(names)
     processor = build_processor(
         processor_config(prepared),
         preprocess=lambda row: {"prompt": row[text_field], "sampling_params": dict(sampling)},
-        postprocess=_row_encoder(id_field, text_field, names),
+        postprocess=postprocess,
         builder_kwargs={"check": False},  # prepare() checked the engine arguments and the saves already
     )
     # Blocks of output.shard_size prompts: each one is a task of the engine stage and then a file, written and
     # committed (checkpointed) as soon as its prompts are back, not when a whole input file's are.
     prompts = read_dataset(source).repartition(target_num_rows_per_block=config.output.shard_size)
-    dataset = processor(prompts).map(_row_normalizer(id_field, text_field, names))
-    return dataset.map_batches(_caster(id_field), batch_format="pyarrow")
+    dataset = processor(prompts).map(_row_normalizer(id_field, text_field, empty))
+    return dataset.map_batches(_caster(id_field, config.activations), batch_format="pyarrow")
 
 
 # --------------------------------------------------------------------------- the run
@@ -262,6 +306,8 @@ class DataRunResult:
     duplicates: int
     run_s: float
     failure: str | None = None
+    activation_files: int | None = None  # activations: the files the rows name (all on disk)
+    orphans_removed: int = 0  # activations: files no row names, deleted after the run was complete
 
     @property
     def complete(self) -> bool:
@@ -279,6 +325,9 @@ class DataRunResult:
                  f"  rows:     {self.output_dir / DATA_DIR}/*.parquet ({self.prompts_done} of {self.prompts_total} "
                  f"prompts, each once)" if not self.duplicates else
                  f"  rows:     {self.output_dir / DATA_DIR}: {self.duplicates} prompt id(s) twice",
+                 *([f"  files:    {self.output_dir / ACTIVATIONS_DIR}/*.safetensors ({self.activation_files} "
+                    f"files, {self.orphans_removed} left by an earlier attempt removed)"]
+                   if self.activation_files is not None else []),
                  f"  manifest: {self.output_dir / 'manifest.json'}",
                  f"  errors:   {self.output_dir / 'errors.jsonl'} ({self.errors} prompt(s))"]
         if self.failure:
@@ -300,16 +349,22 @@ def committed_rows(checkpoint: Path) -> int:
     return total
 
 
-def check_output(folder: Path, id_field: str) -> tuple[int, int, list[dict[str, Any]]]:
-    """Distinct prompt ids in the written rows, ids written more than once, and the failed rows' errors."""
+def _rows(folder: Path, columns: list[str]):
+    """``(data file, {column: values})`` of every written file of the run, reading only ``columns``."""
     import pyarrow.parquet as pq
 
+    for path in sorted((folder / DATA_DIR).glob("*.parquet")):
+        table = pq.read_table(path, columns=columns)
+        yield path, {name: table.column(name).to_pylist() for name in columns}
+
+
+def check_output(folder: Path, id_field: str) -> tuple[int, int, list[dict[str, Any]]]:
+    """Distinct prompt ids in the written rows, ids written more than once, and the failed rows' errors."""
     seen: set[str] = set()
     duplicates = 0
     errors = []
-    for path in sorted((folder / DATA_DIR).glob("*.parquet")):
-        table = pq.read_table(path, columns=[id_field, "error"])
-        for key, error in zip(table.column(id_field).to_pylist(), table.column("error").to_pylist()):
+    for path, table in _rows(folder, [id_field, "error"]):
+        for key, error in zip(table[id_field], table["error"]):
             key = str(key)
             duplicates += key in seen
             seen.add(key)
@@ -317,6 +372,24 @@ def check_output(folder: Path, id_field: str) -> tuple[int, int, list[dict[str, 
                 kind, _, message = error.partition(": ")
                 errors.append({"id": key, "type": kind, "message": message, "file": path.name})
     return len(seen), duplicates, errors
+
+
+def remove_orphans(folder: Path) -> tuple[set[str], list[str], list[str]]:
+    """An activation run's files: those its rows name, those deleted as no row names them, those named but missing.
+
+    Called once every prompt is written: a file then named by no row was left by an attempt whose rows were never
+    written (a killed driver, a batch Ray Data retried), and so was a temporary file of a write cut short.
+    """
+    named = {name for _, table in _rows(folder, ["files"]) for files in table["files"] for name in files or []}
+    removed = []
+    files = folder / ACTIVATIONS_DIR
+    for path in sorted(files.iterdir()) if files.is_dir() else []:
+        name = f"{ACTIVATIONS_DIR}/{path.name}"
+        if path.is_file() and name not in named and ".safetensors" in path.name:
+            path.unlink()
+            removed.append(name)
+    missing = sorted(name for name in named if not (folder / name).is_file())
+    return named, removed, missing
 
 
 def _ticker(progress: Progress, checkpoint: Path, stop: threading.Event) -> None:
@@ -375,8 +448,23 @@ def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO
     prepared.run_dir._atomic(prepared.run_dir.errors_path, lambda handle: handle.write(text.encode()))
     result = DataRunResult(folder, total, skipped, done, len(errors), duplicates, time.monotonic() - started,
                            failure)
+    if config.activations:
+        _settle_files(result)
     manifest.write("complete" if result.complete else "incomplete", done, result)
     return result
+
+
+def _settle_files(result: DataRunResult) -> None:
+    """An activation run's files against its rows: orphans deleted once the run is complete, none missing."""
+    if not result.complete:
+        return  # a file may be committed while its rows are not written yet: the next run settles it
+    named, removed, missing = remove_orphans(result.output_dir)
+    result.activation_files, result.orphans_removed = len(named), len(removed)
+    if removed:
+        logger.info("removed %d activation file(s) no row names (an earlier attempt's): %s", len(removed), removed)
+    if missing:
+        result.failure = (f"{len(missing)} activation file(s) the rows name are missing ({missing[:5]}); "
+                          "delete output.dir to start over")
 
 
 class _Manifest:
@@ -400,10 +488,13 @@ class _Manifest:
             "format": "nnsight_ray.batch/2 (ray data)", "status": status, "config_file": prepared.config_file,
             "config": prepared.config.model_dump(mode="json"), "model_path": prepared.model_path,
             "layout": {"data": f"{DATA_DIR}/*.parquet", "checkpoint": f"{CHECKPOINT_DIR}/",
-                       "id_column": prepared.config.prompts.id_field},
+                       "id_column": prepared.config.prompts.id_field,
+                       **({"activations": f"{ACTIVATIONS_DIR}/*.safetensors"} if prepared.config.activations else {})},
             "versions": _versions(),
             "counts": {"prompts": self.total, "prompts_done": done,
-                       **({"errors": result.errors, "duplicates": result.duplicates} if result else {})},
+                       **({"errors": result.errors, "duplicates": result.duplicates} if result else {}),
+                       **({"activation_files": result.activation_files, "orphans_removed": result.orphans_removed}
+                          if result and result.activation_files is not None else {})},
             "fingerprint": run_dir.fingerprint, "fingerprint_digest": run_dir.digest,
             "runs": previous + [run],
         }

@@ -23,7 +23,7 @@ from .scheduler import Chunk
 logger = logging.getLogger(__name__)
 
 __all__ = ["InFlight", "Replica", "classify", "collect_commits", "commit_extract", "discard_extract", "error_info",
-           "part_name", "start_replicas", "submit_extract", "submit_trace", "where"]
+           "part_name", "part_rows", "start_replicas", "submit_extract", "submit_trace", "where"]
 
 
 def submit_trace(model: Any, texts: list[str], fn: Callable, sampling: dict[str, Any]) -> Any:
@@ -88,6 +88,21 @@ def collect_commits(commits: list[Any], part: str) -> list[dict[str, Any]] | Bas
         return [w for w in ray_get(commits) if w is not None]
     except Exception as error:  # a rank died while writing
         return error if isinstance(error, ray.exceptions.RayError) else RuntimeError(f"writing {part}: {error}")
+
+
+def part_rows(written: list[dict[str, Any]], indices: Sequence[int]) -> tuple[list[str], list[int | None]]:
+    """A committed part's file names (one per pipeline stage that wrote one) and each prompt's token rows in them.
+
+    A prompt's count is None when the writing ranks do not all hold the same rows of it (vLLM never ran it whole).
+    """
+    from pathlib import Path
+
+    files = [Path(w["file"]).name for w in written if w.get("file")]
+    counts: list[int | None] = []
+    for index in indices:
+        seen = {w["prompts"].get(index) for w in written}
+        counts.append(seen.pop() if len(seen) == 1 and None not in seen else None)
+    return files, counts
 
 
 class Replica:

@@ -5,7 +5,9 @@ In: a row's ``prompt`` (text) or ``tokenized_prompt`` (token ids) and its
 (``generated_text``, ``generated_tokens``, ``prompt_token_ids``, ...) and one
 column per saved value (``success_row``), or, for a failed row, the same
 columns empty and ``__inference_error__`` = ``"<Type>: <message>"``
-(``failure_row``).
+(``failure_row``). An activation dataset's row (``activation_row``) has the
+same output columns, and instead of saved values the files its token rows
+are in (``ACTIVATION_COLUMNS``).
 
 Saved values cross Ray Data (inside the row's struct column, where Arrow
 takes 1-D arrays only) as ``{ARRAY: flat values, "shape", "dtype"}``: the
@@ -22,8 +24,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-__all__ = ["ARRAY", "ERROR", "OUTPUT_COLUMNS", "describe_error", "failure_row", "request", "restore_arrays",
-           "success_row", "to_columns", "with_arrays"]
+__all__ = ["ACTIVATION_COLUMNS", "ARRAY", "ERROR", "OUTPUT_COLUMNS", "activation_row", "describe_error",
+           "failure_row", "request", "restore_arrays", "success_row", "to_columns", "with_arrays"]
 
 #: Ray Data LLM's per-row error column ("" on a row that succeeded).
 ERROR = "__inference_error__"
@@ -32,7 +34,10 @@ ARRAY = "__ndarray__"
 #: The columns every output row has (as Ray Data LLM's vLLM stage), besides the saves.
 OUTPUT_COLUMNS = ("prompt_token_ids", "num_input_tokens", "generated_tokens", "generated_text",
                   "num_generated_tokens", "batch_uuid", "time_taken_llm", "params", ERROR)
-_RESERVED = {*OUTPUT_COLUMNS, "prompt", "tokenized_prompt", "sampling_params"}
+#: An activation dataset's columns, besides ``OUTPUT_COLUMNS``: the files (names inside ``activations.dir``) the
+#: row's token rows are in, the value of those files' ``prompt_index`` column at its rows, and how many rows it has.
+ACTIVATION_COLUMNS = ("activation_files", "activation_index", "activation_rows")
+_RESERVED = {*OUTPUT_COLUMNS, *ACTIVATION_COLUMNS, "prompt", "tokenized_prompt", "sampling_params"}
 
 
 def _plain(value: Any) -> Any:
@@ -103,6 +108,14 @@ def success_row(idx: Any, values: Mapping[str, Any], prompt_token_ids: list[int]
         ERROR: "",
         **to_columns(values),
     }
+
+
+def activation_row(idx: Any, files: list[str], index: int, rows: int, prompt_token_ids: list[int],
+                   generated_tokens: list[int], generated_text: str, batch_uuid: str, seconds: float,
+                   sampling: Mapping[str, Any]) -> dict[str, Any]:
+    """A row of an activation dataset: the output columns, and where its ``rows`` token rows are written."""
+    return {**success_row(idx, {}, prompt_token_ids, generated_tokens, generated_text, batch_uuid, seconds, sampling),
+            "activation_files": list(files), "activation_index": int(index), "activation_rows": int(rows)}
 
 
 def failure_row(idx: Any, error: str, names: list[str], batch_uuid: str) -> dict[str, Any]:

@@ -8,7 +8,9 @@ registers the builder). What it adds is what the batch runner's config has:
 ``engine_kwargs`` (vLLM's arguments, as they are), and exactly one of
 ``saves`` (``[{location, tokens}]``, the batch config's ``SaveSpec``) or
 ``intervention`` (``intervene(model, tracer) -> dict``: a callable, or a
-``.py`` file defining it).
+``.py`` file defining it), or ``activations`` (every prompt token's rows at
+some module outputs, written by the engine's ranks as token-major
+safetensors files; each output row names its files).
 
 Validation here is of shapes and values only, so a config is checked in
 microseconds anywhere; what needs vLLM (engine argument names, locations on the
@@ -20,14 +22,14 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray.llm._internal.batch.processor.base import OfflineProcessorConfig
 
 from ..batch.config import SaveSpec, refuse_reserved
 
-__all__ = ["NNsightEngineProcessorConfig", "SaveSpec"]
+__all__ = ["ActivationSpec", "NNsightEngineProcessorConfig", "SaveSpec"]
 
 # Engine arguments this stage owns, with where the choice is made instead.
 _RESERVED_ENGINE_KWARGS = {
@@ -44,6 +46,46 @@ _RESERVED_ENGINE_KWARGS = {
 # Ray Data LLM's CPU stages around the engine. This engine stage reads `prompt` (or `tokenized_prompt`)
 # and detokenizes itself; the others are not wired up yet.
 _STAGES = ("chat_template_stage", "tokenize_stage", "detokenize_stage", "prepare_multimodal_stage")
+
+
+class ActivationSpec(BaseModel):
+    """An activation dataset: the ranks write every prompt token's rows at ``locations`` into ``dir``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dir: str = Field(min_length=1, description="Folder the writing ranks write the safetensors files into: a local "
+                     "path every node that runs a writing rank sees (shared storage across nodes); made absolute.")
+    locations: list[str] = Field(min_length=1, description="Module outputs to keep at every token "
+                                 "('model.layers.4.output'); one [rows, hidden] tensor each.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="The stored dtype; auto keeps the one the model computed in.")
+    generated: bool = Field(False, description="Every generated token's row too (sampling_params.max_tokens > 1).")
+    fsync: bool = Field(False, description="Flush each file to disk before it counts (survives a machine crash).")
+
+    @field_validator("dir")
+    @classmethod
+    def _local_dir(cls, value: str) -> str:
+        if "://" in value:
+            raise ValueError(f"activations.dir {value!r}: the ranks write local files; give a path (shared storage "
+                             "mounted at the same path on every node across nodes)")
+        return str(Path(value).expanduser().resolve())
+
+    @field_validator("locations")
+    @classmethod
+    def _module_outputs(cls, value: list[str]) -> list[str]:
+        checked = []
+        for location in value:
+            try:
+                spec = SaveSpec(location=location, tokens="all")
+            except ValueError:
+                spec = None
+            if spec is None or spec.location == "logits" or spec.attribute != "output":
+                raise ValueError(f"activations.locations: {location!r} is not '<module>.output' (activation "
+                                 "datasets keep module outputs; use `saves` for anything else)")
+            if spec.location in checked:
+                raise ValueError(f"activations.locations: {spec.location!r} is listed twice")
+            checked.append(spec.location)
+        return checked
 
 
 class NNsightEngineProcessorConfig(OfflineProcessorConfig):
@@ -67,13 +109,19 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
         None, description="intervene(model, tracer) -> {name: value}, each name a column: a callable, "
         "or a .py file defining `intervene`."
     )
+    activations: ActivationSpec | None = Field(
+        None, description="Instead of saves/intervention: an activation dataset the engine's ranks write "
+        "({dir, locations, dtype, generated, fsync}); each row names its files (activation_files, "
+        "activation_index, activation_rows)."
+    )
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine actor.")
     num_gpus: float | None = Field(
         None, ge=0, description="GPUs Ray reserves for each engine actor (each rank at TP x PP > 1); "
         "default 1 with accelerator_type, else 0."
     )
     placement_group_config: dict[str, Any] | None = Field(
-        None, description="TP x PP > 1: each engine's placement group, as Ray Data LLM's vLLM config takes it: "
+        None, description="TP x PP > 1 or activations: each engine's placement group, as Ray Data LLM's vLLM "
+        "config takes it: "
         "{'bundle_per_worker': {...}} (one per rank) or {'bundles': [...]}, and 'strategy' (default PACK). "
         "Default: one bundle of 1 CPU and num_gpus GPUs per rank."
     )
@@ -131,21 +179,22 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
 
     @model_validator(mode="after")
     def _saves_or_intervention(self) -> "NNsightEngineProcessorConfig":
-        if bool(self.saves) == (self.intervention is not None):
+        if bool(self.saves) + (self.intervention is not None) + (self.activations is not None) != 1:
             raise ValueError(
-                "give exactly one of `saves` (a list of {location, tokens}) or `intervention` "
-                f"(intervene(model, tracer) or a .py file); got saves={'set' if self.saves else 'empty'} "
-                f"and intervention={self.intervention!r}"
+                "give exactly one of `saves` (a list of {location, tokens}), `intervention` "
+                "(intervene(model, tracer) or a .py file) or `activations` ({dir, locations, ...}); got "
+                f"saves={'set' if self.saves else 'empty'}, intervention={self.intervention!r} and "
+                f"activations={'set' if self.activations else None}"
             )
         seen: set[str] = set()
         for spec in self.saves or []:
             if spec.location in seen:
                 raise ValueError(f"saves: {spec.location!r} is listed twice")
             seen.add(spec.location)
-        if self.world_size == 1:
+        if not self.rank_actors:
             if self.placement_group_config is not None:
-                raise ValueError("placement_group_config: for engines of TP x PP > 1 only; an engine of one rank "
-                                 "runs in its actor, which num_cpus and num_gpus size")
+                raise ValueError("placement_group_config: for engines of TP x PP > 1 (or activation datasets) only; "
+                                 "an engine of one rank runs in its actor, which num_cpus and num_gpus size")
         else:
             bundles, _ = self.rank_bundles()
             if not any(bundle.get("CPU", 0.0) >= self.num_cpus for bundle in bundles):
@@ -166,13 +215,19 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
         return 1.0 if self.accelerator_type else 0.0
 
     @property
+    def rank_actors(self) -> bool:
+        """Whether each engine is a ``RayVLLM`` whose ranks are actors in the engine actor's placement group:
+        at TP x PP > 1, and for activation datasets (only rank actors write their files) at any layout."""
+        return self.world_size > 1 or self.activations is not None
+
+    @property
     def world_size(self) -> int:
         """Ranks per engine: ``tensor_parallel_size x pipeline_parallel_size``."""
         kwargs = self.engine_kwargs
         return int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
 
     def rank_bundles(self) -> tuple[list[dict[str, float]], str]:
-        """TP x PP > 1: each engine's placement group, its bundles and strategy (``placement.rank_bundles``)."""
+        """Rank actors only: each engine's placement group, its bundles and strategy (``placement.rank_bundles``)."""
         from .placement import rank_bundles
 
         return rank_bundles(self.world_size, self.placement_group_config, self.gpus(), self.accelerator_type)

@@ -7,8 +7,9 @@ for ``NNsightEngineProcessorConfig``, so Ray's own ``build_processor`` builds
 it. ``nnsight_ray.data.build_processor`` is the same call without the registry.
 
 The processor is Ray Data LLM's ``Processor``: preprocess (a ``map``), the
-engine stage (``map_batches`` on an actor pool; at TP x PP > 1 each actor in
-a placement group of its own, see ``placement``), postprocess (a ``map``; the
+engine stage (``map_batches`` on an actor pool; at TP x PP > 1, and for an
+activation dataset at any layout, each actor in a placement group of its own,
+see ``placement``), postprocess (a ``map``; the
 saved values reach it as ndarrays). Before anything is built, a preflight as
 the batch runner's (``batch.preflight``, ``batch.interventions``): vLLM's
 engine argument names, each save location on nnsight's meta tree of the model,
@@ -48,22 +49,28 @@ def intervention_fn(config: NNsightEngineProcessorConfig) -> Callable | None:
 
 
 def preflight(config: NNsightEngineProcessorConfig) -> None:
-    """What needs vLLM, checked before any engine starts: engine arguments, and saves on the model's meta tree."""
+    """What needs vLLM, checked before any engine starts: engine arguments, and saves (or an activation dataset's
+    locations) on the model's meta tree."""
     from ..batch.interventions import resolve_saves
     from ..batch.preflight import _check_engine_kwargs, _meta_module
 
+    from .config import SaveSpec
+
     _check_engine_kwargs(config.engine_kwargs)
-    if config.saves:
-        resolve_saves(_meta_module(config.model_source, config.engine_kwargs), config.saves)
+    saves = config.saves or [SaveSpec(location=location, tokens="all")
+                             for location in (config.activations.locations if config.activations else [])]
+    if saves:
+        resolve_saves(_meta_module(config.model_source, config.engine_kwargs), saves)
 
 
 def stage_map_kwargs(config: NNsightEngineProcessorConfig) -> dict[str, Any]:
     """``map_batches`` arguments of the engine stage, as Ray Data LLM's vLLM processor sets them.
 
-    At TP x PP > 1, as its vLLM stage does with the Ray executor: the actor
-    reserves no GPU itself (``num_gpus=0``), and ``ray_remote_args_fn``
-    places each actor in a placement group of its own, which its engine's
-    ranks then take (``placement``).
+    With rank actors (TP x PP > 1, or an activation dataset), as its vLLM
+    stage does with the Ray executor: the actor reserves no GPU itself
+    (``num_gpus=0``), and ``ray_remote_args_fn`` places each actor in a
+    placement group of its own, which its engine's ranks then take
+    (``placement``).
     """
     import ray
 
@@ -76,7 +83,7 @@ def stage_map_kwargs(config: NNsightEngineProcessorConfig) -> dict[str, Any]:
         num_cpus=config.num_cpus,
         num_gpus=config.gpus(),
     )
-    if config.world_size > 1:
+    if config.rank_actors:
         bundles, strategy = config.rank_bundles()
         kwargs.update(num_gpus=0, ray_remote_args_fn=EngineGroups(bundles, strategy))
     if config.accelerator_type:
@@ -102,7 +109,9 @@ def build_nnsight_engine_processor(config: NNsightEngineProcessorConfig, preproc
             saves=[spec.model_dump() for spec in config.saves] if config.saves else None,
             intervene=fn,
             should_continue_on_error=config.should_continue_on_error,
-            placement=rank_placement(config.rank_bundles()[0], config.world_size) if config.world_size > 1 else None,
+            placement=rank_placement(config.rank_bundles()[0], config.world_size) if config.rank_actors else None,
+            activations=config.activations.model_dump() if config.activations else None,
+            max_concurrent_batches=config.max_concurrent_batches,
         ),
         map_batches_kwargs=stage_map_kwargs(config),
     )

@@ -3,8 +3,9 @@
 ``NNsightEngineStage`` is a Ray Data LLM ``StatefulStage``; Ray Data runs its
 UDF on an actor pool (``compute=ActorPoolStrategy``, ``concurrency`` as Ray
 Data LLM defines it). Each actor holds one engine: a ``LocalVLLM`` at TP x PP
-= 1, a ``RayVLLM`` above, whose rank actors take the bundles of the
-placement group the actor runs in (``placement``). It is built on the actor's
+= 1, a ``RayVLLM`` above (and for an activation dataset at any layout), whose
+rank actors take the bundles of the placement group the actor runs in
+(``placement``). It is built on the actor's
 one tracing thread, which every trace then runs on (one tracing thread per
 client object); the actor's event loop stays free. When Ray Data lets the
 actor go, the engine is shut down (and, for a ``RayVLLM``, the actor's group
@@ -14,6 +15,15 @@ Per batch: one trace with one invoke per row (the row's prompt and its own
 sampling parameters), each invoke running the config's saves
 (``batch.interventions.read_saves``) or the user's ``intervene``, then reading
 the request's output (``tracer.result``) for the generated tokens and text.
+
+An activation dataset (``activations``) runs each batch as plain requests
+instead (``extract_batch``): one ``extract_async`` of the batch's prompts
+under a part name of its own (a uuid: a retried batch never overwrites a
+committed file), its outputs awaited, then ``extract_commit``: the engine's
+writing ranks write the part's token rows into ``activations.dir``. Each row
+then names its files, its ``prompt_index`` in them and its row count. These
+batches wait on a pool of threads of their own (the tracing thread only
+submits), so ``max_concurrent_batches`` parts are in flight on an actor.
 
 A failure, as the batch runner isolates it (``batch.scheduler``): a trace of
 several rows that fails is run again one row per trace, so the failing row is
@@ -37,11 +47,14 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ray.llm._internal.batch.stages.base import StatefulStage, StatefulStageUDF
 
-from .columns import describe_error, failure_row, request, success_row
+from .columns import ACTIVATION_COLUMNS, activation_row, describe_error, failure_row, request, success_row
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NNsightEngineStage", "NNsightEngineStageUDF", "run_trace"]
+__all__ = ["EXTRACT_SAMPLING", "NNsightEngineStage", "NNsightEngineStageUDF", "extract_sampling", "run_trace"]
+
+#: The sampling fields an activation dataset's requests take (``RayVLLM.extract_async``), with their defaults.
+EXTRACT_SAMPLING = {"max_tokens": 1, "temperature": 0.0}
 
 
 def run_trace(model: Any, fn: Callable, requests: Sequence[tuple[Any, dict[str, Any]]]) -> list[tuple]:
@@ -64,6 +77,18 @@ def run_trace(model: Any, fn: Callable, requests: Sequence[tuple[Any, dict[str, 
     return list(rows)
 
 
+def extract_sampling(sampling: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A row's ``sampling_params`` as an activation request takes them (``EXTRACT_SAMPLING``), as a hashable key.
+
+    Any other field is refused (``ValueError``: the row's error) rather than ignored.
+    """
+    other = sorted(set(sampling) - set(EXTRACT_SAMPLING))
+    if other:
+        raise ValueError(f"sampling_params {other}: an activation dataset's requests take only "
+                         f"{sorted(EXTRACT_SAMPLING)}")
+    return tuple((key, sampling.get(key, default)) for key, default in EXTRACT_SAMPLING.items())
+
+
 def is_fatal(error: BaseException) -> bool:
     """The engine (not the request) failed: the actor must go."""
     from ray.llm._internal.common.errors import VLLM_FATAL_ERRORS
@@ -78,12 +103,17 @@ class NNsightEngineStageUDF(StatefulStageUDF):
 
     def __init__(self, data_column: str, expected_input_keys: list[str], model_source: str,
                  engine_kwargs: dict[str, Any], saves: list[dict[str, Any]] | None, intervene: Callable | None,
-                 should_continue_on_error: bool = False, placement: dict[str, Any] | None = None) -> None:
+                 should_continue_on_error: bool = False, placement: dict[str, Any] | None = None,
+                 activations: dict[str, Any] | None = None, max_concurrent_batches: int = 1) -> None:
         super().__init__(data_column, expected_input_keys)
         self.should_continue_on_error = should_continue_on_error
-        self.names = [spec["location"] for spec in saves or []]
+        self.activations = activations
+        self.names = list(ACTIVATION_COLUMNS) if activations else [spec["location"] for spec in saves or []]
         # Every trace runs on this one thread, the one that built the model.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nnsight-data")
+        # Activation batches wait for their outputs and commits here, several at once.
+        self._waits = ThreadPoolExecutor(max_workers=max(1, max_concurrent_batches),
+                                         thread_name_prefix="nnsight-extract") if activations else None
         self.model, self.fn = self._thread.submit(self._start, model_source, engine_kwargs, saves,
                                                   intervene, placement).result()
 
@@ -101,13 +131,17 @@ class NNsightEngineStageUDF(StatefulStageUDF):
         else:
             model = LocalVLLM(model_source, dispatch=True, **engine_kwargs)
         logger.info("nnsight engine for %s ready in %.1f s", model_source, time.monotonic() - started)
-        if intervene is not None:
+        if intervene is not None or saves is None:  # an intervention, or an activation dataset (no trace)
             return model, intervene
         return model, reader(resolve_saves(model._module, [SaveSpec(**spec) for spec in saves or []]))
 
     async def udf(self, batch: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         loop = asyncio.get_running_loop()
-        for row in await loop.run_in_executor(self._thread, self.run_batch, batch):
+        if self.activations:
+            rows = await loop.run_in_executor(self._waits, self.extract_batch, batch)
+        else:
+            rows = await loop.run_in_executor(self._thread, self.run_batch, batch)
+        for row in rows:
             yield row
 
     # -- on the tracing thread -------------------------------------------------
@@ -150,6 +184,79 @@ class NNsightEngineStageUDF(StatefulStageUDF):
             self._check(error)
             return error
 
+    # -- activation datasets: on a waiting thread ------------------------------
+
+    def extract_batch(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The batch as one part of the activation dataset (one per distinct sampling); a row per input row."""
+        batch_uuid = uuid.uuid4().hex
+        out: list[dict[str, Any]] = []
+        groups: dict[tuple, list[tuple[Any, Any]]] = {}
+        for row in batch:
+            idx = row[self.IDX_IN_BATCH_COLUMN]
+            try:
+                prompt, sampling = request(row)
+                groups.setdefault(extract_sampling(sampling), []).append((idx, prompt))
+            except Exception as error:
+                out.append(self._failed(idx, error, batch_uuid))
+        for key, todo in groups.items():
+            sampling = dict(key)
+            prompts = [prompt for _, prompt in todo]
+            started = time.perf_counter()
+            try:
+                results = self._extract(prompts, sampling)
+            except Exception as error:
+                self._check(error)
+                # As the batch runner: a refused prompt is found by running each alone, each in a part of its own.
+                results = [error] if len(todo) == 1 else [self._extract_alone(p, sampling) for p in prompts]
+            seconds = time.perf_counter() - started
+            for (idx, _), result in zip(todo, results):
+                if isinstance(result, BaseException):
+                    out.append(self._failed(idx, result, batch_uuid))
+                else:
+                    out.append(activation_row(idx, *result, batch_uuid=batch_uuid, seconds=seconds,
+                                              sampling=sampling))
+        return out
+
+    def _extract(self, prompts: list[Any], sampling: dict[str, Any]) -> list[Any]:
+        """One part: submitted, awaited, committed. Per prompt ``(files, index, rows, prompt ids, generated ids,
+        text)``, or the error of a prompt the ranks hold no rows of; raises when the part failed."""
+        from ..batch.replicas import collect_commits, commit_extract, discard_extract, part_rows, submit_extract
+        from ..errors import RequestError
+
+        spec = self.activations
+        part = f"part-{uuid.uuid4().hex}"
+        requests = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
+        indices = list(range(len(prompts)))
+        ref = self._thread.submit(submit_extract, self.model, requests, part, spec["dir"], spec["locations"],
+                                  indices, None if spec["dtype"] == "auto" else spec["dtype"], sampling,
+                                  spec["generated"]).result()
+        try:
+            outputs = self.model.wait(ref)
+        except BaseException:
+            discard_extract(self.model, part)
+            raise
+        written = collect_commits(commit_extract(self.model, part, spec["fsync"]), part)
+        if isinstance(written, BaseException):
+            raise written
+        files, counts = part_rows(written, indices)
+        tokenizer = getattr(self.model, "tokenizer", None)
+        results: list[Any] = []
+        for output, index, count in zip(outputs, indices, counts):
+            if count is None:
+                results.append(RequestError(f"the engine's ranks wrote no rows of this prompt in {part}"))
+                continue
+            generated = list(output.outputs[0].token_ids)
+            text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
+            results.append((files, index, count, list(output.prompt_token_ids), generated, text))
+        return results
+
+    def _extract_alone(self, prompt: Any, sampling: dict[str, Any]) -> Any:
+        try:
+            return self._extract([prompt], sampling)[0]
+        except Exception as error:
+            self._check(error)
+            return error
+
     def _check(self, error: BaseException) -> None:
         """An engine failure ends the actor; a row's failure fails the batch unless rows may fail alone."""
         if is_fatal(error):
@@ -168,6 +275,9 @@ class NNsightEngineStageUDF(StatefulStageUDF):
         return failure_row(idx, message, self.names, batch_uuid)
 
     def __del__(self) -> None:
+        waits = getattr(self, "_waits", None)
+        if waits is not None:
+            waits.shutdown(wait=False)
         model = getattr(self, "model", None)
         if model is not None:
             from .placement import stop_engine

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from nnsight_ray.batch.config import PromptsConfig, validate
-from nnsight_ray.batch.pipeline import _caster, _row_encoder, _row_normalizer, check_output, committed_rows, route
+from nnsight_ray.batch.pipeline import (_ACTIVATION_ROW, _activation_encoder, _caster, _failed_values, _row_encoder,
+                                        _row_normalizer, check_output, committed_rows, remove_orphans, route)
 
 
 def config(tmp_path, **sections):
@@ -22,12 +23,13 @@ def config(tmp_path, **sections):
     return validate(data)
 
 
-def test_runs_that_save_per_prompt_take_ray_data(tmp_path):
+def test_every_run_but_connect_takes_ray_data(tmp_path):
     assert route(config(tmp_path)) is None
     assert route(config(tmp_path, saves=None, intervention="iv.py")) is None
-    assert "activations" in route(config(tmp_path, output={"format": "activations"}))
+    assert route(config(tmp_path, output={"format": "activations"})) is None
     assert route(config(tmp_path, engine={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})) is None
     assert "--connect" in route(config(tmp_path), ["tp1"])
+    assert "--connect" in route(config(tmp_path, output={"format": "activations"}), ["tp1"])
 
 
 def test_prompt_sources_local_or_any_uri_with_a_format():
@@ -47,14 +49,14 @@ def test_a_uri_on_the_runners_path_is_refused_before_anything_starts(tmp_path, c
     path.write_text(json.dumps({"model": {"path": "m"}, "prompts": {"path": "s3://b/p.jsonl"},
                                 "saves": [{"location": "model.layers.0.output", "tokens": "all"}],
                                 "output": {"dir": str(tmp_path / "o"), "format": "activations"}}))
-    assert main(["--config", str(path), "--check"]) == 2
+    assert main(["--config", str(path), "--check", "--connect", "tp1"]) == 2
     err = capsys.readouterr().err
-    assert "'s3://b/p.jsonl': a URI is read by Ray Data" in err and "output.format=activations" in err
+    assert "'s3://b/p.jsonl': a URI is read by Ray Data" in err and "--connect" in err
 
 
 def rows_as_written(rows, names):
     """Rows through the pipeline's last three steps (postprocess on successes, normalize, cast) to one table."""
-    encode, normalize = _row_encoder("id", "text", names), _row_normalizer("id", "text", names)
+    encode, normalize = _row_encoder("id", "text", names), _row_normalizer("id", "text", _failed_values(names))
     out = [normalize(row if row.get("__inference_error__") else {**encode(row), "__inference_error__": ""})
            for row in rows]
     columns = {key: [row.get(key) for row in out] for key in dict.fromkeys(k for row in out for k in row)}
@@ -118,3 +120,78 @@ def test_the_engine_layout_becomes_the_processors(tmp_path):
     assert four.engine_kwargs["tensor_parallel_size"] == 2 and four.engine_kwargs["pipeline_parallel_size"] == 2
     bundles, strategy = four.rank_bundles()
     assert bundles == [{"CPU": 1.0}] * 4 and strategy == "SPREAD"
+
+
+def test_an_activation_runs_rows_say_where_each_prompts_token_rows_are():
+    encode, normalize = _activation_encoder("id", "text", "activations"), _row_normalizer("id", "text", _ACTIVATION_ROW)
+    ok = {"id": 4, "text": "hi", "prompt": "hi", "activation_files": ["part-1.stage0.safetensors",
+                                                                      "part-1.stage1.safetensors"],
+          "activation_index": np.int64(3), "activation_rows": 7, "generated_text": "", "__inference_error__": ""}
+    failed = {"id": 5, "text": "x" * 9, "prompt": "x" * 9, "activation_files": None, "activation_index": None,
+              "activation_rows": None, "__inference_error__": "VLLMValidationError: too long"}
+    out = [normalize({**encode(ok), "__inference_error__": ""}), normalize(failed)]
+    table = _caster("id", activations=True)(pa.table({key: [row[key] for row in out] for key in out[0]}))
+    assert table.column_names == ["id", "prompt", "error", "files", "prompt_index", "tokens"]
+    assert table.schema.field("files").type == pa.list_(pa.string())
+    assert table.schema.field("prompt_index").type == table.schema.field("tokens").type == pa.int64()
+    assert table.to_pylist() == [
+        {"id": 4, "prompt": "hi", "error": None, "prompt_index": 3, "tokens": 7,
+         "files": ["activations/part-1.stage0.safetensors", "activations/part-1.stage1.safetensors"]},
+        {"id": 5, "prompt": "x" * 9, "error": "VLLMValidationError: too long", "files": None, "prompt_index": None,
+         "tokens": None}]
+
+
+def test_files_no_row_names_are_removed_and_missing_ones_reported(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "activations").mkdir()
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "error": [None, None, "ValueError: no"],
+                             "files": [["activations/p1.safetensors"], ["activations/p1.safetensors"], None]}),
+                   tmp_path / "data" / "x_0.parquet")
+    pq.write_table(pa.table({"id": ["d"], "error": [None], "files": [["activations/p2.safetensors"]]}),
+                   tmp_path / "data" / "x_1.parquet")
+    for name in ("p1.safetensors", "p2.safetensors", "p0.safetensors", "p3.safetensors.tmp-17", "notes.txt"):
+        (tmp_path / "activations" / name).write_bytes(b"x")
+    named, removed, missing = remove_orphans(tmp_path)
+    assert named == {"activations/p1.safetensors", "activations/p2.safetensors"} and missing == []
+    assert removed == ["activations/p0.safetensors", "activations/p3.safetensors.tmp-17"]
+    assert sorted(p.name for p in (tmp_path / "activations").iterdir()) == ["notes.txt", "p1.safetensors",
+                                                                           "p2.safetensors"]
+    (tmp_path / "activations" / "p2.safetensors").unlink()
+    assert remove_orphans(tmp_path)[1:] == ([], ["activations/p2.safetensors"])
+
+
+def test_orphans_are_removed_only_after_a_complete_run(tmp_path):
+    from nnsight_ray.batch.pipeline import DataRunResult, _settle_files
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "activations").mkdir()
+    pq.write_table(pa.table({"id": ["a"], "error": [None], "files": [["activations/p1.safetensors"]]}),
+                   tmp_path / "data" / "x_0.parquet")
+    for name in ("p1.safetensors", "p0.safetensors"):
+        (tmp_path / "activations" / name).write_bytes(b"x")
+    unfinished = DataRunResult(tmp_path, 2, 0, 1, 0, 0, 1.0)
+    _settle_files(unfinished)  # p0 may be a part whose rows are not written yet
+    assert (tmp_path / "activations" / "p0.safetensors").exists() and unfinished.activation_files is None
+    done = DataRunResult(tmp_path, 1, 0, 1, 0, 0, 1.0)
+    _settle_files(done)
+    assert done.complete and (done.activation_files, done.orphans_removed) == (1, 1)
+    assert not (tmp_path / "activations" / "p0.safetensors").exists() and "1 files, 1 left by" in done.summary()
+    (tmp_path / "activations" / "p1.safetensors").unlink()
+    lost = DataRunResult(tmp_path, 1, 0, 1, 0, 0, 1.0)
+    _settle_files(lost)
+    assert not lost.complete and "the rows name are missing" in lost.failure
+
+
+def test_an_activation_dataset_is_the_processors_activation_mode(tmp_path):
+    """A batch a block of output.shard_size prompts (one part), rank actors at TP=1, files into output.dir."""
+    from types import SimpleNamespace
+
+    from nnsight_ray.batch.pipeline import processor_config
+
+    made = processor_config(SimpleNamespace(model_path="/m", config=config(
+        tmp_path, output={"format": "activations", "shard_size": 4, "dtype": "float16", "fsync": True})))
+    assert made.saves is None and made.rank_actors and made.world_size == 1
+    assert made.activations.dir == str(tmp_path / "o" / "activations") and made.activations.dtype == "float16"
+    assert made.activations.locations == ["model.layers.1.output"] and made.activations.fsync
+    assert made.batch_size == 4 and made.max_concurrent_batches == 8  # max(32, 8 x shard_size) in flight
+    assert made.rank_bundles() == ([{"CPU": 1.0}], "PACK")

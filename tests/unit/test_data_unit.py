@@ -50,7 +50,7 @@ def test_config_takes_ray_data_llm_fields_and_saves():
      "1 bundles for tensor_parallel_size x pipeline_parallel_size = 2"),
     ({"engine_kwargs": {"tensor_parallel_size": 2}, "placement_group_config": {"strategy": "PACK"}},
      "bundle_per_worker"),
-    ({"placement_group_config": {"bundle_per_worker": {"CPU": 1}}}, "for engines of TP x PP > 1 only"),
+    ({"placement_group_config": {"bundle_per_worker": {"CPU": 1}}}, "for engines of TP x PP > 1 (or activation datasets) only"),
     ({"engine_kwargs": {"model": "other"}}, "use model_source"),
     ({"chat_template_stage": True}, "chat_template_stage: not supported"),
     ({"tokenize_stage": {"enabled": True}}, "tokenize_stage: not supported"),
@@ -290,3 +290,148 @@ def test_an_engine_failure_is_fatal_and_a_request_failure_is_not():
     assert stage.is_fatal(EngineDeadError()) and stage.is_fatal(OurEngineDead("gone"))
     assert stage.is_fatal(ray.exceptions.ActorDiedError())
     assert not stage.is_fatal(ValueError("boom")) and not stage.is_fatal(RequestError("refused"))
+
+
+# --------------------------------------------------------------------------- activation datasets
+
+ACTS = {"dir": "/tmp/acts", "locations": ["model.layers.1.output"]}
+
+
+def test_activations_are_a_mode_of_their_own_with_rank_actors_at_any_layout():
+    made = config(saves=None, activations=ACTS, placement_group_config={"bundle_per_worker": {"CPU": 2}})
+    assert made.activations.dtype == "auto" and not made.activations.generated and made.rank_actors
+    assert made.world_size == 1 and made.rank_bundles() == ([{"CPU": 2.0}], "PACK")
+    assert not config().rank_actors
+    assert config(saves=None, activations={**ACTS, "dir": "rel/acts"}).activations.dir.endswith("/rel/acts")
+    engine = build_processor(config(saves=None, activations=ACTS), builder_kwargs={"check": False}) \
+        .get_stage_by_name("NNsightEngineStage")
+    kwargs = engine.get_dataset_map_batches_kwargs(batch_size=4, data_column="__data")
+    assert kwargs["num_gpus"] == 0 and "ray_remote_args_fn" in kwargs  # the ranks sit in the actor's group
+    constructor = kwargs["fn_constructor_kwargs"]
+    assert constructor["placement"] == {"device": "cpu"} and constructor["saves"] is None
+    assert constructor["activations"]["locations"] == ["model.layers.1.output"]
+    assert constructor["max_concurrent_batches"] == 8
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"activations": ACTS}, "exactly one of `saves`"),  # and saves
+    ({"saves": None, "activations": {**ACTS, "locations": ["logits"]}}, "is not '<module>.output'"),
+    ({"saves": None, "activations": {**ACTS, "locations": ["model.layers.1.input"]}}, "is not '<module>.output'"),
+    ({"saves": None, "activations": {**ACTS, "locations": ["a.output", "a.output"]}}, "listed twice"),
+    ({"saves": None, "activations": {**ACTS, "dir": "s3://bucket/acts"}}, "the ranks write local files"),
+    ({"saves": None, "activations": {**ACTS, "dtype": "int8"}}, "dtype"),
+    ({"saves": None, "activations": {**ACTS, "extra": 1}}, "extra"),
+])
+def test_activations_refuse(kwargs, words):
+    with pytest.raises(ValidationError) as error:
+        config(**kwargs)
+    assert words in str(error.value)
+
+
+def test_a_part_names_its_files_and_each_prompts_rows():
+    from nnsight_ray.batch.replicas import part_rows
+
+    stages = [{"file": "/d/p.stage0.safetensors", "prompts": {0: 5, 1: 3}},
+              {"file": "/d/p.stage1.safetensors", "prompts": {0: 5, 1: 3}}]
+    assert part_rows(stages, [0, 1]) == (["p.stage0.safetensors", "p.stage1.safetensors"], [5, 3])
+    assert part_rows([{"file": "/d/p.safetensors", "prompts": {0: 5}}, {"file": None, "prompts": {}}], [0, 1])[1] \
+        == [None, None]
+    assert part_rows([], [0]) == ([], [None])
+
+
+class FakeEntrypoint:
+    """``RayVLLM.vllm_entrypoint``'s extraction calls: prompts containing "long" are refused, as vLLM refuses them."""
+
+    def __init__(self):
+        self.parts, self.discarded, self.committed = [], [], []
+
+    def extract_async(self, prompts, part, directory, locations, indices, dtype, max_tokens, temperature, generated):
+        self.parts.append((part, list(prompts), directory, dtype, max_tokens, temperature, generated))
+        return part
+
+    def extract_commit(self, part, fsync=False):
+        self.committed.append(part)
+        (prompts,) = [p for name, p, *_ in self.parts if name == part]
+        counts = {i: len(p) for i, p in enumerate(prompts)}
+        return [{"file": f"/tmp/acts/{part}.safetensors", "prompts": counts}, None]
+
+    def extract_discard(self, part):
+        self.discarded.append(part)
+
+
+class FakeRayVLLM:
+    def __init__(self):
+        self.vllm_entrypoint = FakeEntrypoint()
+        self.tokenizer = None
+
+    def wait(self, part):
+        from types import SimpleNamespace
+
+        (prompts,) = [p for name, p, *_ in self.vllm_entrypoint.parts if name == part]
+        for prompt in prompts:
+            if "long" in str(prompt):
+                raise RequestError("VLLMValidationError: longer than the maximum context length")
+        return [SimpleNamespace(prompt_token_ids=[1] * len(p), outputs=[SimpleNamespace(token_ids=[9])])
+                for p in prompts]
+
+
+class FakeActivationUDF(stage.NNsightEngineStageUDF):
+    def __init__(self, continue_on_error: bool = True) -> None:  # no engine
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.should_continue_on_error = continue_on_error
+        self.activations = {**ACTS, "dtype": "auto", "generated": False, "fsync": False}
+        self.names = list(columns.ACTIVATION_COLUMNS)
+        self._thread = ThreadPoolExecutor(max_workers=1)
+        self.model, self.fn = FakeRayVLLM(), None
+
+
+@pytest.fixture
+def fake_commits(monkeypatch):
+    from nnsight_ray.batch import replicas
+
+    monkeypatch.setattr(replicas, "collect_commits", lambda commits, part: [c for c in commits if c is not None])
+
+
+def test_an_activation_batch_is_one_part_and_each_row_names_its_files(fake_commits):
+    udf = FakeActivationUDF()
+    out = udf.extract_batch(rows("ab", "cdef", "g"))
+    entry = udf.model.vllm_entrypoint
+    ((part, prompts, directory, dtype, max_tokens, temperature, generated),) = entry.parts
+    assert part.startswith("part-") and prompts == ["ab", "cdef", "g"] and directory == "/tmp/acts"
+    assert (dtype, max_tokens, temperature, generated) == (None, 1, 0.0, False) and entry.committed == [part]
+    by_idx = {row["__idx_in_batch"]: row for row in out}
+    assert [by_idx[i]["activation_index"] for i in range(3)] == [0, 1, 2]
+    assert [by_idx[i]["activation_rows"] for i in range(3)] == [2, 4, 1]
+    assert all(row["activation_files"] == [f"{part}.safetensors"] and row[ERROR] == "" for row in out)
+    assert by_idx[1]["prompt_token_ids"] == [1, 1, 1, 1] and by_idx[1]["generated_tokens"] == [9]
+    udf.extract_batch(rows("again"))
+    assert len({name for name, *_ in entry.parts}) == 2, "every batch a part name of its own"
+
+
+def test_a_refused_prompt_fails_its_row_alone_and_its_part_is_discarded(fake_commits):
+    udf = FakeActivationUDF()
+    batch = rows("ab", "too long", "g", {"not": "a prompt"})
+    batch[2]["sampling_params"] = {"max_tokens": 1, "top_p": 0.5}
+    out = udf.extract_batch(batch)
+    entry = udf.model.vllm_entrypoint
+    assert [prompts for _, prompts, *_ in entry.parts] == [["ab", "too long"], ["ab"], ["too long"]]
+    assert entry.discarded == [entry.parts[0][0], entry.parts[2][0]] and entry.committed == [entry.parts[1][0]]
+    by_idx = {row["__idx_in_batch"]: row for row in out}
+    assert by_idx[0][ERROR] == "" and by_idx[0]["activation_files"] == [f"{entry.parts[1][0]}.safetensors"]
+    assert by_idx[1][ERROR].startswith("VLLMValidationError: longer than") and by_idx[1]["activation_files"] is None
+    assert by_idx[2][ERROR].startswith("ValueError: sampling_params ['top_p']")
+    assert by_idx[3][ERROR].startswith("ValueError: the row has no `prompt`")
+    with pytest.raises(RequestError, match="longer than"):
+        FakeActivationUDF(continue_on_error=False).extract_batch(rows("too long"))
+
+
+def test_an_engine_that_died_under_an_activation_batch_ends_the_actor(fake_commits, monkeypatch):
+    from nnsight_ray.errors import EngineDeadError
+
+    udf = FakeActivationUDF()
+    monkeypatch.setattr(udf.model, "wait", lambda ref: (_ for _ in ()).throw(EngineDeadError("gone")))
+    monkeypatch.setattr(stage.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit):
+        udf.extract_batch(rows("ab", "cd"))
+    assert len(udf.model.vllm_entrypoint.parts) == 1, "not retried on the dead engine"
