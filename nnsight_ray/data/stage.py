@@ -231,7 +231,7 @@ class NNsightEngineStageUDF(StatefulStageUDF):
                                   indices, None if spec["dtype"] == "auto" else spec["dtype"], sampling,
                                   spec["generated"]).result()
         try:
-            outputs = self.model.wait(ref)
+            outputs = self.model.vllm_entrypoint.wait(ref)
         except BaseException:
             discard_extract(self.model, part)
             raise

@@ -345,14 +345,26 @@ class FakeEntrypoint:
     def __init__(self):
         self.parts, self.discarded, self.committed = [], [], []
 
+    def prompts(self, part):
+        (prompts,) = [p for name, p, *_ in self.parts if name == part]
+        return prompts
+
     def extract_async(self, prompts, part, directory, locations, indices, dtype, max_tokens, temperature, generated):
         self.parts.append((part, list(prompts), directory, dtype, max_tokens, temperature, generated))
         return part
 
+    def wait(self, part):
+        from types import SimpleNamespace
+
+        for prompt in self.prompts(part):
+            if "long" in str(prompt):
+                raise RequestError("VLLMValidationError: longer than the maximum context length")
+        return [SimpleNamespace(prompt_token_ids=[1] * len(p), outputs=[SimpleNamespace(token_ids=[9])])
+                for p in self.prompts(part)]
+
     def extract_commit(self, part, fsync=False):
         self.committed.append(part)
-        (prompts,) = [p for name, p, *_ in self.parts if name == part]
-        counts = {i: len(p) for i, p in enumerate(prompts)}
+        counts = {i: len(p) for i, p in enumerate(self.prompts(part))}
         return [{"file": f"/tmp/acts/{part}.safetensors", "prompts": counts}, None]
 
     def extract_discard(self, part):
@@ -363,16 +375,6 @@ class FakeRayVLLM:
     def __init__(self):
         self.vllm_entrypoint = FakeEntrypoint()
         self.tokenizer = None
-
-    def wait(self, part):
-        from types import SimpleNamespace
-
-        (prompts,) = [p for name, p, *_ in self.vllm_entrypoint.parts if name == part]
-        for prompt in prompts:
-            if "long" in str(prompt):
-                raise RequestError("VLLMValidationError: longer than the maximum context length")
-        return [SimpleNamespace(prompt_token_ids=[1] * len(p), outputs=[SimpleNamespace(token_ids=[9])])
-                for p in prompts]
 
 
 class FakeActivationUDF(stage.NNsightEngineStageUDF):
@@ -430,7 +432,7 @@ def test_an_engine_that_died_under_an_activation_batch_ends_the_actor(fake_commi
     from nnsight_ray.errors import EngineDeadError
 
     udf = FakeActivationUDF()
-    monkeypatch.setattr(udf.model, "wait", lambda ref: (_ for _ in ()).throw(EngineDeadError("gone")))
+    monkeypatch.setattr(udf.model.vllm_entrypoint, "wait", lambda ref: (_ for _ in ()).throw(EngineDeadError("gone")))
     monkeypatch.setattr(stage.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
     with pytest.raises(SystemExit):
         udf.extract_batch(rows("ab", "cd"))
