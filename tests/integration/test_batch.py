@@ -12,8 +12,8 @@
 - the documented ``--local-cluster`` command, in a fresh process, and ``nnsight-ray submit``.
 
 Engines are the session's (``ray_tp1``, ``ray_tp2``), handed to the runner or
-attached by name (``--connect``), except in the ``ray job submit`` test, whose
-job starts its own.
+attached by name (``--connect``), except in the ``ray job submit`` test and the
+killed-driver test, which start their own.
 """
 
 from __future__ import annotations
@@ -479,14 +479,19 @@ def test_a_killed_driver_that_started_its_engine_leaves_no_actor_and_no_reservat
     import ray
 
     prompts = [f"orphan {i}" for i in range(400)]
-    # An activation dataset: the run the hand-written runner keeps (values per prompt go through Ray Data,
-    # whose actor pool is the driver's too: test_batch_data.py).
+    # An activation dataset through run_batch(...) from Python, the hand-written runner's entry point (the CLI runs
+    # every run but --connect on Ray Data, whose actor pool is the driver's too: test_batch_data.py).
     config = make_config(tmp_path, model_dir, prompts, saves=ACTIVATIONS[:1], sampling={"max_tokens": 8},
                          output={"dir": str(tmp_path / "out"), "shard_size": 4, "format": "activations"},
                          runner={"max_in_flight": 4, "progress_interval_s": 1})
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "nnsight_ray.batch", "--config", str(path), "--address", ray_cluster.address]
+    script = ("import sys\n"
+              "from nnsight_ray._internal.cluster.placement import connect_ray\n"
+              "from nnsight_ray.batch import load_config, run_batch\n"
+              "connect_ray(sys.argv[2])\n"
+              "run_batch(load_config(sys.argv[1]))\n")
+    command = [sys.executable, "-c", script, str(path), ray_cluster.address]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = tmp_path / "out"
     log = tmp_path / "driver.log"
