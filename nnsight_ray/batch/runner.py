@@ -322,7 +322,8 @@ class BatchRunner:
             return
         replica.shutdown()
         try:
-            (fresh,) = start_replicas([replica.index], self.prepared, self.tag, replica.generation + 1)
+            (fresh,) = start_replicas([replica.index], self.prepared.model_path, self.config.engine, self.tag,
+                                      replica.generation + 1)
         except Exception:
             logger.exception("could not restart replica %s; retired", replica.name)
             return
