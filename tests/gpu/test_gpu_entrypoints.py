@@ -49,10 +49,13 @@ def test_batch_through_ray_job_submit(head, gpu_model_dir, hf, tmp_path):
         "output": {"dir": str(tmp_path / "out"), "shard_size": 2},
         "runner": {"max_in_flight": 4, "prompts_per_trace": 2, "progress_interval_s": 1},
     }
-    submit_batch(head["dashboard"], config, tmp_path, head["env"])
+    done = submit_batch(head["dashboard"], config, tmp_path, head["env"])
+    assert "SUCCEEDED" in done.stdout and "on Ray Data" in done.stdout
     import pyarrow.parquet as pq
 
-    rows = [r for p in sorted((tmp_path / "out").glob("shard-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    # the CLI runs a Ray Data pipeline: its rows are under out/data, in no set order
+    rows = sorted((r for p in sorted((tmp_path / "out" / "data").glob("*.parquet"))
+                   for r in pq.read_table(p).to_pylist()), key=lambda r: r["id"])
     assert [r["id"] for r in rows] == [f"q{i}" for i in range(len(PROMPTS))]
     for row in rows:
         assert row["error"] is None
