@@ -437,6 +437,11 @@ class RayVLLM(LocalVLLM):
     def name(self) -> str:
         return self._deployment_name
 
+    @property
+    def model_path(self) -> str | None:
+        """The checkpoint folder or hub id the deployment serves (as it was started); None once pickled."""
+        return self._deployment.spec.model if self._deployment is not None else None
+
     def _pipeline_stages(self) -> int:
         if self._deployment is None:
             return 1

@@ -161,3 +161,35 @@ def multi_invoke(model, **how):
             model.model.layers[1].output[0][:] = 0
             b = model.logits.clone().save()
     return a, b
+
+
+def committed_checkpoints(folder) -> list:
+    """A batch run's committed Ray Data checkpoint files under ``folder/checkpoint`` (not the pending ones)."""
+    from pathlib import Path
+
+    return [p for p in (Path(folder) / "checkpoint").glob("*.parquet") if not p.name.endswith(".pending.parquet")]
+
+
+def kill_after_commits(command: list[str], env: dict, log, folder, commits: int = 2, seconds: float = 600) -> int:
+    """Run a batch command (output into ``folder``), SIGKILL it once ``commits`` checkpoints are committed; returns
+    the prompts committed then. Bounded: the wait by ``seconds``, the kill's reaping by 60 s."""
+    import signal
+    import subprocess
+    import time
+
+    import pyarrow.parquet as pq
+
+    with open(log, "wb") as handle:  # a file, not a pipe nobody drains
+        first = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + seconds
+        while len(committed_checkpoints(folder)) < commits:
+            assert first.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no {commits} checkpoints committed in {seconds:.0f} s"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGKILL)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        first.wait(timeout=60)
+    return sum(pq.read_metadata(p).num_rows for p in committed_checkpoints(folder))

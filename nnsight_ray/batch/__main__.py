@@ -19,8 +19,9 @@ Examples::
     python -m nnsight_ray.batch --config run.yaml --set engine.replicas=2 --set output.dir=runs/r2
 
 Runs take a Ray Data pipeline (``pipeline``, over ``nnsight_ray.data``, any
-TP x PP): values per prompt and activation datasets alike; ``--connect`` the
-hand-written runner (``runner``). Rerunning the same command resumes:
+TP x PP): values per prompt and activation datasets alike, on engines of the
+run's own or, with ``--connect``, on running deployments (left running).
+Rerunning the same command resumes:
 what was written is kept, the rest runs. Exit status: 0 done, 1 unfinished
 (rerun to resume), 2 bad config or inputs (nothing started).
 """
@@ -47,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--cpus-per-node", type=int, default=2,
                         help="logical CPUs of each --local-cluster raylet (default 2)")
     parser.add_argument("--connect", action="append", default=[], metavar="NAME",
-                        help="use this running named deployment as a replica instead of starting engines "
-                        "(repeat for several)")
+                        help="run on this running RayVLLM deployment instead of starting engines (repeat for "
+                        "several; the engine section is not used; the deployments keep running)")
     parser.add_argument("--check", action="store_true",
                         help="check the config and every input (prompts, intervention, save locations), then exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging of nnsight_ray")
@@ -72,7 +73,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         loopback_only()
     from .config import load_config
     from .errors import BatchConfigError, BatchRunError
-    from .pipeline import ACTIVATIONS_DIR, check_source, route
+    from .pipeline import ACTIVATIONS_DIR, check_source
 
     _logging(args.verbose)
     try:
@@ -82,10 +83,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         from .preflight import prepare
 
         config = load_config(args.config, args.overrides)
-        runner_reason = route(config, args.connect)
-        if runner_reason and config.prompts.remote:
-            raise BatchConfigError(f"prompts.path {config.prompts.path!r}: a URI is read by Ray Data, and this run "
-                                   f"takes the hand-written runner: {runner_reason}; copy the prompts to a local file")
         prepared = prepare(config, args.config)
         if args.check:
             count = len(prepared.prompts)
@@ -94,9 +91,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 
                 connect_ray(args.address)
                 count = check_source(config.prompts)
-            where = (f"the hand-written runner ({runner_reason}), {len(prepared.plans)} shards" if runner_reason
-                     else "Ray Data (nnsight_ray.data)")
-            if config.activations and not runner_reason:
+            where = "Ray Data (nnsight_ray.data)"
+            if args.connect:
+                where += f" with the running engine(s) {args.connect}"
+            if config.activations:
                 where += f"; the engines' ranks write the activation files into {prepared.run_dir.path / ACTIVATIONS_DIR}"
             print(f"config OK: {count} prompts -> {prepared.run_dir.path}, on {where}"
                   + (f"; saves read in order {[r.name for r in prepared.reads]}" if prepared.reads else ""))
@@ -114,15 +112,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         from .._internal.cluster.placement import connect_ray
 
         connect_ray(args.address)
-        if runner_reason is None:
-            from .pipeline import run_on_ray_data
+        from .pipeline import run_on_ray_data
 
-            result = run_on_ray_data(prepared)
-        else:
-            from .runner import run_batch
-
-            logging.getLogger("nnsight_ray.batch").info("on the hand-written runner: %s", runner_reason)
-            result = run_batch(config, args.config, prepared=prepared, connect=args.connect, raise_on_failure=False)
+        result = run_on_ray_data(prepared, connect=args.connect)
         print(result.summary(), flush=True)
         return 0 if result.complete else 1
     except BatchConfigError as error:

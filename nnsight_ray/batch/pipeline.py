@@ -1,4 +1,4 @@
-"""A batch config as a Ray Data pipeline: ``python -m nnsight_ray.batch`` (all but ``--connect`` runs).
+"""A batch config as a Ray Data pipeline: ``python -m nnsight_ray.batch``.
 
 ::
 
@@ -24,8 +24,10 @@ failed prompt (its intervention raised, vLLM refused it) is a row with
 ``error`` set (Ray Data LLM's ``__inference_error__``) and a line in
 ``errors.jsonl``; the run goes on.
 
-Which runs take this path: ``route``. ``--connect`` keeps the hand-written
-runner (``runner``; docs/batch.md, "What still runs on the runner").
+``--connect NAME`` (repeatable) runs the batches on running ``RayVLLM``
+deployments instead of engines of the run's own: the processor's
+``engine_name``, one client actor attached to every named engine, each batch
+on the engine with the fewest in flight; the deployments keep running after.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from ray.data.datasource import Datasource, ReadTask
 
 from ..data import NNsightEngineProcessorConfig, build_processor
 from ..data.columns import ERROR, OUTPUT_COLUMNS
-from .config import BatchConfig, PromptsConfig
+from .config import PromptsConfig
 from .errors import BatchConfigError, BatchRunError
 from .preflight import Prepared
 from .progress import Progress, format_duration
@@ -54,7 +56,7 @@ from .shards import SHAPE_SUFFIX
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataRunResult", "TextLines", "build_dataset", "check_output", "read_dataset", "remove_orphans", "route",
+__all__ = ["DataRunResult", "TextLines", "build_dataset", "check_output", "read_dataset", "remove_orphans",
            "run_on_ray_data"]
 
 DATA_DIR = "data"
@@ -63,13 +65,6 @@ ACTIVATIONS_DIR = "activations"
 _FIXED = ("prompt", "error", "generated_text")
 #: An activation dataset's row columns besides the id, prompt and error, as a failed row has them (null).
 _ACTIVATION_ROW = {"files": None, "prompt_index": None, "tokens": None}
-
-
-def route(config: BatchConfig, connect: list[str] | None = None) -> str | None:
-    """None when ``config`` runs on Ray Data; else why it takes the hand-written runner."""
-    if connect:
-        return "--connect (a running deployment, not a Ray Data actor pool)"
-    return None
 
 
 # --------------------------------------------------------------------------- reading
@@ -225,11 +220,13 @@ def _caster(id_field: str, activations: bool = False):
     return cast
 
 
-def processor_config(prepared: Prepared) -> NNsightEngineProcessorConfig:
+def processor_config(prepared: Prepared, connect: list[str] | None = None) -> NNsightEngineProcessorConfig:
     """The batch config's engine section and runner tuning, as ``nnsight_ray.data``'s processor config.
 
     An activation dataset: the processor's ``activations`` (into ``<output.dir>/activations``), a batch per
     block of ``output.shard_size`` prompts (one part of files), ``max_in_flight() / shard_size`` parts in flight.
+    ``connect``: running deployments by name instead of the engine section: one client actor attached to them
+    all, with at least a batch in flight per engine.
     """
     config = prepared.config
     engine, runner, output = config.engine, config.runner, config.output
@@ -244,20 +241,24 @@ def processor_config(prepared: Prepared) -> NNsightEngineProcessorConfig:
                        "locations": [spec.location for spec in config.saves or []], "dtype": output.dtype,
                        "generated": output.generated, "fsync": output.fsync}
     batch_size = output.shard_size if activations else runner.prompts_per_trace
+    in_flight = max(1, config.max_in_flight() // batch_size)
+    work = dict(batch_size=batch_size, should_continue_on_error=True, activations=activations,
+                saves=list(config.saves) if config.saves and not activations else None,
+                intervention=str(Path(config.intervention).expanduser().resolve()) if config.intervention else None)
+    if connect:
+        return NNsightEngineProcessorConfig(model_source=prepared.model_path, engine_name=list(connect),
+                                            concurrency=1, max_concurrent_batches=max(len(connect), in_flight),
+                                            **work)
     return NNsightEngineProcessorConfig(
         model_source=prepared.model_path,
         engine_kwargs={**engine.engine_kwargs, **layout},
         placement_group_config={"bundle_per_worker": {"CPU": engine.cpus_per_rank, "GPU": gpus},
                                 "strategy": engine.placement_strategy} if layout or activations else None,
         concurrency=(engine.replicas, engine.replicas),
-        batch_size=batch_size,
-        max_concurrent_batches=max(1, config.max_in_flight() // batch_size),
-        should_continue_on_error=True,
-        activations=activations,
-        saves=list(config.saves) if config.saves and not activations else None,
-        intervention=str(Path(config.intervention).expanduser().resolve()) if config.intervention else None,
+        max_concurrent_batches=in_flight,
         num_cpus=engine.cpus_per_rank,
         num_gpus=gpus,
+        **work,
     )
 
 
@@ -267,7 +268,7 @@ def _gpu_platform() -> bool:
     return current_platform.is_cuda_alike()
 
 
-def build_dataset(prepared: Prepared):
+def build_dataset(prepared: Prepared, connect: list[str] | None = None):
     """The whole pipeline up to the writer: prompts -> nnsight_ray.data's processor -> the shard format's rows."""
     config = prepared.config
     source = config.prompts
@@ -279,7 +280,7 @@ def build_dataset(prepared: Prepared):
     else:
         postprocess, empty = _row_encoder(id_field, text_field, names), _failed_values(names)
     processor = build_processor(
-        processor_config(prepared),
+        processor_config(prepared, connect),
         preprocess=lambda row: {"prompt": row[text_field], "sampling_params": dict(sampling)},
         postprocess=postprocess,
         builder_kwargs={"check": False},  # prepare() checked the engine arguments and the saves already
@@ -402,8 +403,10 @@ def _ticker(progress: Progress, checkpoint: Path, stop: threading.Event) -> None
 
 
 def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO | None = None,
-                    interactive: bool | None = None) -> DataRunResult:
-    """Run ``prepared`` as a Ray Data pipeline into ``output.dir``; a rerun resumes by prompt id."""
+                    interactive: bool | None = None, connect: list[str] | None = None) -> DataRunResult:
+    """Run ``prepared`` as a Ray Data pipeline into ``output.dir``; a rerun resumes by prompt id.
+
+    ``connect``: on these running ``RayVLLM`` deployments (by name), which keep running after."""
     from ray.data import DataContext
     from ray.data.checkpoint import CheckpointConfig
 
@@ -416,7 +419,7 @@ def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO
         total = check_source(config.prompts) if config.prompts.remote else len(prepared.prompts)
     skipped = committed_rows(checkpoint)
     started, failure = time.monotonic(), None
-    manifest = _Manifest(prepared, total)
+    manifest = _Manifest(prepared, total, connect)
     manifest.write("running", skipped)
     if skipped < total:
         context = DataContext.get_current()
@@ -431,7 +434,7 @@ def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO
         ticker = threading.Thread(target=_ticker, args=(progress, checkpoint, stop), daemon=True)
         ticker.start()
         try:
-            build_dataset(prepared).write_parquet(str(folder / DATA_DIR), min_rows_per_file=config.output.shard_size)
+            build_dataset(prepared, connect).write_parquet(str(folder / DATA_DIR), min_rows_per_file=config.output.shard_size)
         except Exception as error:  # an engine that kept dying, a worker lost beyond Ray Data's retries
             failure = f"{type(error).__name__}: {str(error)[:2000]}"
             logger.error("the Ray Data pipeline failed: %s", failure)
@@ -470,10 +473,11 @@ def _settle_files(result: DataRunResult) -> None:
 class _Manifest:
     """``manifest.json`` of a Ray Data run: config, fingerprint (what a rerun compares), counts, one entry per run."""
 
-    def __init__(self, prepared: Prepared, total: int) -> None:
+    def __init__(self, prepared: Prepared, total: int, connect: list[str] | None = None) -> None:
         self.prepared, self.total = prepared, total
         self.run = {"id": os.urandom(3).hex(), "host": socket.gethostname(), "pid": os.getpid(),
-                    "started_at": time.time(), "engine": "ray_data"}
+                    "started_at": time.time(), "engine": "ray_data",
+                    **({"connected": list(connect)} if connect else {})}
 
     def write(self, status: str, done: int, result: DataRunResult | None = None) -> None:
         from .runner import _versions

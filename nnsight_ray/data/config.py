@@ -10,7 +10,10 @@ registers the builder). What it adds is what the batch runner's config has:
 ``intervention`` (``intervene(model, tracer) -> dict``: a callable, or a
 ``.py`` file defining it), or ``activations`` (every prompt token's rows at
 some module outputs, written by the engine's ranks as token-major
-safetensors files; each output row names its files).
+safetensors files; each output row names its files). ``engine_name``
+connects the actors to running ``RayVLLM`` deployments instead of starting
+an engine each (as Ray Data LLM's ``ServeDeploymentProcessorConfig`` sends
+rows to a running Serve deployment).
 
 Validation here is of shapes and values only, so a config is checked in
 microseconds anywhere; what needs vLLM (engine argument names, locations on the
@@ -114,6 +117,13 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
         "({dir, locations, dtype, generated, fsync}); each row names its files (activation_files, "
         "activation_index, activation_rows)."
     )
+    engine_name: str | list[str] | None = Field(
+        None, description="Connect to running RayVLLM deployments by name (RayVLLM(..., name=...), "
+        "RayVLLM.start_many) instead of starting an engine per actor: each actor attaches to every named engine "
+        "and sends each batch to the one with the fewest of its batches in flight. The engines outlive the "
+        "pipeline; model_source names the model they serve (checked at connect); engine_kwargs, num_gpus and "
+        "placement_group_config do not apply."
+    )
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine actor.")
     num_gpus: float | None = Field(
         None, ge=0, description="GPUs Ray reserves for each engine actor (each rank at TP x PP > 1); "
@@ -139,6 +149,18 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
             if key in value and (not isinstance(value[key], int) or isinstance(value[key], bool) or value[key] < 1):
                 raise ValueError(f"engine_kwargs.{key}={value[key]!r}: expected a positive integer")
         return value
+
+    @field_validator("engine_name")
+    @classmethod
+    def _engine_names(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        names = [value] if isinstance(value, str) else list(value)
+        if not names or not all(isinstance(name, str) and name for name in names):
+            raise ValueError(f"engine_name={value!r}: expected a deployment name or a non-empty list of them")
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine_name: {sorted(n for n in set(names) if names.count(n) > 1)} listed twice")
+        return names
 
     @field_validator("placement_group_config")
     @classmethod
@@ -191,7 +213,15 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
             if spec.location in seen:
                 raise ValueError(f"saves: {spec.location!r} is listed twice")
             seen.add(spec.location)
-        if not self.rank_actors:
+        if self.engine_name is not None:
+            given = [name for name, unset in (("engine_kwargs", not self.engine_kwargs),
+                                              ("num_gpus", not self.num_gpus),
+                                              ("placement_group_config", self.placement_group_config is None))
+                     if not unset]
+            if given:
+                raise ValueError(f"{', '.join(given)}: a connected engine (engine_name={self.engine_name}) was "
+                                 "started with its own settings and placement; leave these out")
+        elif not self.rank_actors:
             if self.placement_group_config is not None:
                 raise ValueError("placement_group_config: for engines of TP x PP > 1 (or activation datasets) only; "
                                  "an engine of one rank runs in its actor, which num_cpus and num_gpus size")
@@ -217,8 +247,14 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
     @property
     def rank_actors(self) -> bool:
         """Whether each engine is a ``RayVLLM`` whose ranks are actors in the engine actor's placement group:
-        at TP x PP > 1, and for activation datasets (only rank actors write their files) at any layout."""
-        return self.world_size > 1 or self.activations is not None
+        at TP x PP > 1, and for activation datasets (only rank actors write their files) at any layout.
+        A connected engine (``engine_name``) is placed already: its actors take no group."""
+        return self.engine_name is None and (self.world_size > 1 or self.activations is not None)
+
+    @property
+    def engine_names(self) -> list[str] | None:
+        """``engine_name`` as a list (None: each actor starts its own engine)."""
+        return list(self.engine_name) if self.engine_name is not None else None
 
     @property
     def world_size(self) -> int:

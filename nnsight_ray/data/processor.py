@@ -70,7 +70,8 @@ def stage_map_kwargs(config: NNsightEngineProcessorConfig) -> dict[str, Any]:
     stage does with the Ray executor: the actor reserves no GPU itself
     (``num_gpus=0``), and ``ray_remote_args_fn`` places each actor in a
     placement group of its own, which its engine's ranks then take
-    (``placement``).
+    (``placement``). Connected to running engines (``engine_name``), an
+    actor is a client only: no GPU, no group, ``num_cpus`` as set.
     """
     import ray
 
@@ -86,7 +87,9 @@ def stage_map_kwargs(config: NNsightEngineProcessorConfig) -> dict[str, Any]:
     if config.rank_actors:
         bundles, strategy = config.rank_bundles()
         kwargs.update(num_gpus=0, ray_remote_args_fn=EngineGroups(bundles, strategy))
-    if config.accelerator_type:
+    if config.engine_name is not None:
+        kwargs["num_gpus"] = 0
+    elif config.accelerator_type:
         kwargs["accelerator_type"] = config.accelerator_type
     if config.runtime_env:
         kwargs["runtime_env"] = config.runtime_env
@@ -112,6 +115,7 @@ def build_nnsight_engine_processor(config: NNsightEngineProcessorConfig, preproc
             placement=rank_placement(config.rank_bundles()[0], config.world_size) if config.rank_actors else None,
             activations=config.activations.model_dump() if config.activations else None,
             max_concurrent_batches=config.max_concurrent_batches,
+            engine_names=config.engine_names,
         ),
         map_batches_kwargs=stage_map_kwargs(config),
     )

@@ -11,6 +11,12 @@ client object); the actor's event loop stays free. When Ray Data lets the
 actor go, the engine is shut down (and, for a ``RayVLLM``, the actor's group
 removed: ``placement.stop_engine``).
 
+Connected (``engine_names``): the actor starts no engine; it attaches to
+each named ``RayVLLM`` deployment (``RayVLLM.connect``, each client built
+on a tracing thread of its own) and runs each batch on the one with the
+fewest of its batches in flight. Those engines are the deployments' owners'
+to stop: the actor leaves them running when it goes.
+
 Per batch: one trace with one invoke per row (the row's prompt and its own
 sampling parameters), each invoke running the config's saves
 (``batch.interventions.read_saves``) or the user's ``intervene``, then reading
@@ -40,9 +46,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from ray.llm._internal.batch.stages.base import StatefulStage, StatefulStageUDF
@@ -98,55 +107,117 @@ def is_fatal(error: BaseException) -> bool:
     return isinstance(error, VLLM_FATAL_ERRORS) or classify(error) == "lost"
 
 
+@dataclass
+class Engine:
+    """One engine of an actor: the client, the thread every trace on it runs on (the one that built it), what each
+    invoke calls, whether the actor started it (and so stops it), and the actor's batches on it now."""
+
+    model: Any
+    thread: ThreadPoolExecutor
+    fn: Callable | None
+    owned: bool
+    in_flight: int = 0
+
+
+def same_model(served: Any, model_source: str) -> bool:
+    """Whether a connected deployment's model is ``model_source`` (paths compared resolved)."""
+    from pathlib import Path
+
+    if served == model_source:
+        return True
+    try:
+        return Path(str(served)).expanduser().resolve() == Path(model_source).expanduser().resolve()
+    except (OSError, ValueError):
+        return False
+
+
 class NNsightEngineStageUDF(StatefulStageUDF):
-    """One engine per actor; a batch of rows -> one trace -> the rows' columns."""
+    """One engine per actor (or connected engines); a batch of rows -> one trace -> the rows' columns."""
 
     def __init__(self, data_column: str, expected_input_keys: list[str], model_source: str,
                  engine_kwargs: dict[str, Any], saves: list[dict[str, Any]] | None, intervene: Callable | None,
                  should_continue_on_error: bool = False, placement: dict[str, Any] | None = None,
-                 activations: dict[str, Any] | None = None, max_concurrent_batches: int = 1) -> None:
+                 activations: dict[str, Any] | None = None, max_concurrent_batches: int = 1,
+                 engine_names: list[str] | None = None) -> None:
         super().__init__(data_column, expected_input_keys)
         self.should_continue_on_error = should_continue_on_error
         self.activations = activations
         self.names = list(ACTIVATION_COLUMNS) if activations else [spec["location"] for spec in saves or []]
-        # Every trace runs on this one thread, the one that built the model.
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nnsight-data")
         # Activation batches wait for their outputs and commits here, several at once.
         self._waits = ThreadPoolExecutor(max_workers=max(1, max_concurrent_batches),
                                          thread_name_prefix="nnsight-extract") if activations else None
-        self.model, self.fn = self._thread.submit(self._start, model_source, engine_kwargs, saves,
-                                                  intervene, placement).result()
+        self._lock = threading.Lock()
+        self.engines: list[Engine] = []
+        names = list(engine_names or [None])
+        random.shuffle(names)  # actors of one pool break ties between idle engines differently
+        for name in names:
+            # Every trace on an engine runs on its one thread, the one that built its client.
+            thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nnsight-data")
+            try:
+                model, fn = thread.submit(self._start, model_source, engine_kwargs, saves, intervene,
+                                          placement, name).result()
+            except BaseException:
+                thread.shutdown(wait=False)
+                raise
+            self.engines.append(Engine(model, thread, fn, owned=name is None))
 
     @staticmethod
     def _start(model_source: str, engine_kwargs: dict[str, Any], saves: list[dict[str, Any]] | None,
-               intervene: Callable | None, placement: dict[str, Any] | None = None) -> tuple[Any, Callable]:
+               intervene: Callable | None, placement: dict[str, Any] | None = None,
+               name: str | None = None) -> tuple[Any, Callable]:
         from ..batch.config import SaveSpec
         from ..batch.interventions import reader, resolve_saves
         from ..local import LocalVLLM
         from .placement import start_engine
 
         started = time.monotonic()
-        if placement is not None:  # TP x PP > 1: ranks in this actor's placement group
+        if name is not None:  # a running deployment: attach only
+            from ..ray_vllm import RayVLLM
+
+            model = RayVLLM.connect(name)
+            served = model.model_path
+            if not same_model(served, model_source):
+                raise ValueError(f"engine {name!r} serves {served!r}, not model_source {model_source!r}; "
+                                 "give the model it serves")
+        elif placement is not None:  # TP x PP > 1: ranks in this actor's placement group
             model = start_engine(model_source, engine_kwargs, placement)
         else:
             model = LocalVLLM(model_source, dispatch=True, **engine_kwargs)
-        logger.info("nnsight engine for %s ready in %.1f s", model_source, time.monotonic() - started)
+        logger.info("nnsight engine %s for %s ready in %.1f s", name or "(this actor's)", model_source,
+                    time.monotonic() - started)
         if intervene is not None or saves is None:  # an intervention, or an activation dataset (no trace)
             return model, intervene
         return model, reader(resolve_saves(model._module, [SaveSpec(**spec) for spec in saves or []]))
 
+    @property
+    def model(self) -> Any:
+        """The first engine's client (the only one unless connected to several)."""
+        return self.engines[0].model
+
+    def _acquire(self) -> Engine:
+        with self._lock:
+            engine = min(self.engines, key=lambda e: e.in_flight)
+            engine.in_flight += 1
+            return engine
+
     async def udf(self, batch: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         loop = asyncio.get_running_loop()
-        if self.activations:
-            rows = await loop.run_in_executor(self._waits, self.extract_batch, batch)
-        else:
-            rows = await loop.run_in_executor(self._thread, self.run_batch, batch)
+        engine = self._acquire()
+        try:
+            if self.activations:
+                rows = await loop.run_in_executor(self._waits, self.extract_batch, batch, engine)
+            else:
+                rows = await loop.run_in_executor(engine.thread, self.run_batch, batch, engine)
+        finally:
+            with self._lock:
+                engine.in_flight -= 1
         for row in rows:
             yield row
 
-    # -- on the tracing thread -------------------------------------------------
+    # -- on the engine's tracing thread ----------------------------------------
 
-    def run_batch(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def run_batch(self, batch: list[dict[str, Any]], engine: Engine | None = None) -> list[dict[str, Any]]:
+        engine = engine or self.engines[0]
         batch_uuid = uuid.uuid4().hex
         out: list[dict[str, Any]] = []
         todo: list[tuple[Any, Any, dict[str, Any]]] = []
@@ -160,11 +231,12 @@ class NNsightEngineStageUDF(StatefulStageUDF):
             return out
         started = time.perf_counter()
         try:
-            results = run_trace(self.model, self.fn, [(prompt, sampling) for _, prompt, sampling in todo])
+            results = run_trace(engine.model, engine.fn, [(prompt, sampling) for _, prompt, sampling in todo])
         except Exception as error:
             self._check(error)
             # As the batch runner's scheduler: the failing row is found by running each alone.
-            results = [error] if len(todo) == 1 else [self._alone(prompt, sampling) for _, prompt, sampling in todo]
+            results = [error] if len(todo) == 1 else [self._alone(engine, prompt, sampling)
+                                                      for _, prompt, sampling in todo]
         seconds = time.perf_counter() - started
         for (idx, _, sampling), result in zip(todo, results):
             if isinstance(result, BaseException):
@@ -177,17 +249,18 @@ class NNsightEngineStageUDF(StatefulStageUDF):
                 out.append(self._failed(idx, error, batch_uuid))
         return out
 
-    def _alone(self, prompt: Any, sampling: dict[str, Any]) -> Any:
+    def _alone(self, engine: Engine, prompt: Any, sampling: dict[str, Any]) -> Any:
         try:
-            return run_trace(self.model, self.fn, [(prompt, sampling)])[0]
+            return run_trace(engine.model, engine.fn, [(prompt, sampling)])[0]
         except Exception as error:
             self._check(error)
             return error
 
     # -- activation datasets: on a waiting thread ------------------------------
 
-    def extract_batch(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def extract_batch(self, batch: list[dict[str, Any]], engine: Engine | None = None) -> list[dict[str, Any]]:
         """The batch as one part of the activation dataset (one per distinct sampling); a row per input row."""
+        engine = engine or self.engines[0]
         batch_uuid = uuid.uuid4().hex
         out: list[dict[str, Any]] = []
         groups: dict[tuple, list[tuple[Any, Any]]] = {}
@@ -203,11 +276,11 @@ class NNsightEngineStageUDF(StatefulStageUDF):
             prompts = [prompt for _, prompt in todo]
             started = time.perf_counter()
             try:
-                results = self._extract(prompts, sampling)
+                results = self._extract(engine, prompts, sampling)
             except Exception as error:
                 self._check(error)
                 # As the batch runner: a refused prompt is found by running each alone, each in a part of its own.
-                results = [error] if len(todo) == 1 else [self._extract_alone(p, sampling) for p in prompts]
+                results = [error] if len(todo) == 1 else [self._extract_alone(engine, p, sampling) for p in prompts]
             seconds = time.perf_counter() - started
             for (idx, _), result in zip(todo, results):
                 if isinstance(result, BaseException):
@@ -217,7 +290,7 @@ class NNsightEngineStageUDF(StatefulStageUDF):
                                               sampling=sampling))
         return out
 
-    def _extract(self, prompts: list[Any], sampling: dict[str, Any]) -> list[Any]:
+    def _extract(self, engine: Engine, prompts: list[Any], sampling: dict[str, Any]) -> list[Any]:
         """One part: submitted, awaited, committed. Per prompt ``(files, index, rows, prompt ids, generated ids,
         text)``, or the error of a prompt the ranks hold no rows of; raises when the part failed."""
         from ..batch.replicas import collect_commits, commit_extract, discard_extract, part_rows, submit_extract
@@ -227,19 +300,20 @@ class NNsightEngineStageUDF(StatefulStageUDF):
         part = f"part-{uuid.uuid4().hex}"
         requests = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
         indices = list(range(len(prompts)))
-        ref = self._thread.submit(submit_extract, self.model, requests, part, spec["dir"], spec["locations"],
-                                  indices, None if spec["dtype"] == "auto" else spec["dtype"], sampling,
-                                  spec["generated"]).result()
+        model = engine.model
+        ref = engine.thread.submit(submit_extract, model, requests, part, spec["dir"], spec["locations"],
+                                   indices, None if spec["dtype"] == "auto" else spec["dtype"], sampling,
+                                   spec["generated"]).result()
         try:
-            outputs = self.model.vllm_entrypoint.wait(ref)
+            outputs = model.vllm_entrypoint.wait(ref)
         except BaseException:
-            discard_extract(self.model, part)
+            discard_extract(model, part)
             raise
-        written = collect_commits(commit_extract(self.model, part, spec["fsync"]), part)
+        written = collect_commits(commit_extract(model, part, spec["fsync"]), part)
         if isinstance(written, BaseException):
             raise written
         files, counts = part_rows(written, indices)
-        tokenizer = getattr(self.model, "tokenizer", None)
+        tokenizer = getattr(model, "tokenizer", None)
         results: list[Any] = []
         for output, index, count in zip(outputs, indices, counts):
             if count is None:
@@ -250,9 +324,9 @@ class NNsightEngineStageUDF(StatefulStageUDF):
             results.append((files, index, count, list(output.prompt_token_ids), generated, text))
         return results
 
-    def _extract_alone(self, prompt: Any, sampling: dict[str, Any]) -> Any:
+    def _extract_alone(self, engine: Engine, prompt: Any, sampling: dict[str, Any]) -> Any:
         try:
-            return self._extract([prompt], sampling)[0]
+            return self._extract(engine, [prompt], sampling)[0]
         except Exception as error:
             self._check(error)
             return error
@@ -278,11 +352,12 @@ class NNsightEngineStageUDF(StatefulStageUDF):
         waits = getattr(self, "_waits", None)
         if waits is not None:
             waits.shutdown(wait=False)
-        model = getattr(self, "model", None)
-        if model is not None:
-            from .placement import stop_engine
+        for engine in getattr(self, "engines", []):
+            engine.thread.shutdown(wait=False)
+            if engine.owned:  # a connected engine is its deployment owner's to stop
+                from .placement import stop_engine
 
-            stop_engine(model)
+                stop_engine(engine.model)
 
 
 class NNsightEngineStage(StatefulStage):

@@ -7,12 +7,13 @@
 - a failing intervention is one prompt's error, the run goes on;
 - an engine dying under the run: its traces are retried elsewhere or its
   shards reported, never dropped;
-- a run killed midway resumes with no duplicates and no gaps;
+- a driver killed under the runner takes its engine's actors and group with it (a killed run's resume on Ray
+  Data: test_batch_data.py, test_batch_activations.py);
 - bad inputs (an output folder that cannot be written among them) fail before any engine starts;
 - the documented ``--local-cluster`` command, in a fresh process, and ``nnsight-ray submit``.
 
-Engines are the session's (``ray_tp1``, ``ray_tp2``), handed to the runner or
-attached by name (``--connect``), except in the ``ray job submit`` test and the
+Engines are the session's (``ray_tp1``, ``ray_tp2``), handed to the runner
+(``run_batch(..., engines=...)``), except in the ``ray job submit`` test and the
 killed-driver test, which start their own.
 """
 
@@ -382,91 +383,6 @@ def test_with_every_engine_dead_the_run_stops_and_a_rerun_finishes(doomed_refs, 
 
 
 # --------------------------------------------------------------------------- resume
-
-
-def kill_midway(config: dict, ray_cluster, tmp_path: Path, done: str) -> tuple[list[str], dict]:
-    """Run ``config`` through the CLI on the session's ``tp1``; SIGKILL it once two ``done`` files exist.
-
-    Returns the command and environment, for the rerun.
-    """
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "nnsight_ray.batch", "--config", str(path), "--address", ray_cluster.address,
-               "--connect", "tp1"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = Path(config["output"]["dir"])
-    log = tmp_path / "first.log"
-    with open(log, "wb") as handle:  # a file, not a pipe nobody drains
-        first = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 240
-    while len(list(out.glob(done))) < 2:
-        assert first.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"no {done} written in 240 s"
-        time.sleep(0.05)
-    first.send_signal(signal.SIGKILL)
-    first.wait(timeout=60)
-    return command, env
-
-
-def test_resume_after_a_killed_run_has_no_duplicates_and_no_gaps(ray_cluster, ray_tp1, local_llama, model_dir,
-                                                                 tmp_path):
-    prompts = [f"resume {i} " + "xyz"[: i % 3] for i in range(80)]
-    # One prompt at a time, eight tokens each: slow enough to kill midway.
-    config = make_config(tmp_path, model_dir, prompts, output={"dir": str(tmp_path / "out"), "shard_size": 8},
-                         runner={"max_in_flight": 1, "prompts_per_trace": 1, "progress_interval_s": 1},
-                         sampling={"max_tokens": 8})
-    out = tmp_path / "out"
-    command, env = kill_midway(config, ray_cluster, tmp_path, "shard-*.parquet")
-    kept = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("shard-*.parquet")}
-    assert 2 <= len(kept) < 10, f"kill the run midway: {len(kept)} of 10 shards were written"
-
-    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert f"{8 * len(kept)} already done" in second.stdout
-
-    for name, stamp in kept.items():
-        p = out / name
-        assert (p.stat().st_ino, p.stat().st_mtime_ns) == stamp, f"{name} was rewritten"
-    got = rows(out)
-    ids = [r["id"] for r in got]
-    assert ids == [f"q{i}" for i in range(80)], "every prompt once, in order"
-    assert not list(out.glob("*.tmp-*"))
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["status"] == "complete" and [r["status"] for r in manifest["runs"]] == ["running", "complete"]
-    for row in got[::9]:
-        check_against_local(local_llama, row, config["saves"])
-
-
-def test_activation_resume_after_a_killed_run_has_every_token_row_once(ray_cluster, ray_tp1, local_llama,
-                                                                        model_dir, tmp_path):
-    prompts = [f"resume {i} " + "xyz"[: i % 3] for i in range(48)]
-    # One shard in flight at a time, 16 decode steps each: slow enough to kill midway.
-    config = make_config(tmp_path, model_dir, prompts, saves=ACTIVATIONS[:1], sampling={"max_tokens": 16},
-                         output={"dir": str(tmp_path / "out"), "shard_size": 6, "format": "activations"},
-                         runner={"max_in_flight": 6, "progress_interval_s": 1})
-    out = tmp_path / "out"
-    command, env = kill_midway(config, ray_cluster, tmp_path, "shard-*.json")
-    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.safetensors")
-            if (out / p.name.replace(".safetensors", ".json")).exists()}
-    assert 2 <= len(kept) < 8, f"kill the run midway: {len(kept)} of 8 shards were recorded"
-
-    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert f"{6 * len(kept)} already done" in second.stdout
-    for name, stamp in kept.items():
-        assert (out / name).stat().st_mtime_ns == stamp, f"{name} was rewritten"
-    manifest = json.loads((out / "manifest.json").read_text())
-    listed = sorted(name for shard in manifest["shards"] for name in shard["files"])
-    assert sorted(p.name for p in out.glob("*.safetensors")) == listed, "no file the manifest does not list"
-    assert not list(out.glob("*.tmp-*"))
-    data = read_activations(out)
-    pairs = list(zip(data["prompt_index"].tolist(), data["position"].tolist()))
-    want = [(i, j) for i, prompt in enumerate(prompts) for j in range(len(local_llama.tokenizer(prompt)["input_ids"]))]
-    assert pairs == want, "every token row exactly once, in prompt order"
-    for index in (0, 31, 47):
-        rows = data["prompt_index"] == index
-        assert_close(torch.from_numpy(data["model.layers.3.output"][rows]),
-                     reference(local_llama, prompts[index])["model.layers.3.output"])
 
 
 def test_a_killed_driver_that_started_its_engine_leaves_no_actor_and_no_reservation(ray_cluster, model_dir,

@@ -7,9 +7,11 @@ Ray cluster, every token row against nnsight's in-process engine.
   ids, positions, each layer's residual stream) equal ``local_llama``'s;
 - a prompt vLLM refuses is a row with ``error`` and no files, and a line in ``errors.jsonl``;
 - the files the rows name are exactly the files on disk: one left there by an earlier attempt is deleted once the
-  run is complete.
+  run is complete;
+- on the session's ``tp1`` (``--connect``): the driver SIGKILLed after some parts were committed, then the same
+  command again: every prompt's token rows are in the files exactly once, and no file is left that no row names.
 
-One engine start (the run's); the subprocess is bounded (``timeout``).
+One engine start (the first test's); every subprocess and the wait for the kill point are bounded.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ENGINE_KWARGS, assert_close
+from conftest import ENGINE_KWARGS, assert_close, kill_after_commits
 
 pytestmark = pytest.mark.integration
 
@@ -109,3 +111,51 @@ def test_an_activation_dataset_on_ray_data_equals_local_traces(ray_cluster, loca
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["layout"]["activations"] == "activations/*.safetensors"
     assert manifest["counts"]["activation_files"] == len(named) and manifest["counts"]["orphans_removed"] == 1
+
+
+def test_a_killed_activation_run_resumes_with_every_token_row_once(ray_cluster, ray_tp1, local_llama, model_dir,
+                                                                   tmp_path):
+    import pyarrow.parquet as pq
+    from safetensors.numpy import load_file
+
+    prompts = [f"resume {i} " + "xyz"[: i % 3] for i in range(48)]
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    out = tmp_path / "out"
+    # One part of 6 prompts in flight, 16 decode steps each: slow enough to kill between parts.
+    config = {"model": {"path": model_dir}, "prompts": {"path": str(tmp_path / "prompts.jsonl")},
+              "saves": [{"location": LOCATIONS[0], "tokens": "all"}], "sampling": {"max_tokens": 16},
+              "output": {"dir": str(out), "shard_size": 6, "format": "activations"},
+              "runner": {"max_in_flight": 6, "prompts_per_trace": 6, "progress_interval_s": 1}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "nnsight_ray.batch", "--config", str(path), "--address", ray_cluster.address,
+               "--connect", "tp1"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    done_before = kill_after_commits(command, env, tmp_path / "first.log", out, seconds=300)
+    assert 12 <= done_before < len(prompts), f"kill the run midway: {done_before} prompts committed"
+
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"{done_before} already done" in second.stdout and "each once" in second.stdout
+
+    rows = {row["id"]: row for row in pq.read_table(out / "data").to_pylist()}
+    assert sorted(rows) == sorted(f"q{i}" for i in range(len(prompts))) and not any(r["error"] for r in rows.values())
+    named = {name for row in rows.values() for name in row["files"]}
+    assert sorted(named) == sorted(f"activations/{p.name}" for p in (out / "activations").iterdir()), \
+        "the files the rows name, and no other (a part the kill cut off is removed)"
+    files = {name: load_file(str(out / name)) for name in named}
+    assert sum(len(data["token_ids"]) for data in files.values()) == sum(r["tokens"] for r in rows.values()), \
+        "every token row once"
+    for index, prompt in enumerate(prompts):
+        row = rows[f"q{index}"]
+        data = files[row["files"][0]]
+        mine = data["prompt_index"] == row["prompt_index"]
+        tokens = local_llama.tokenizer(prompt)["input_ids"]
+        assert int(mine.sum()) == row["tokens"] == len(tokens)
+        assert data["token_ids"][mine].tolist() == tokens
+        if index in (0, 31, 47):
+            assert_close(torch.from_numpy(data[LOCATIONS[0]][mine]), reference(local_llama, prompt)[LOCATIONS[0]])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and [r["status"] for r in manifest["runs"]] == ["running", "complete"]

@@ -8,8 +8,11 @@
   carries vLLM's, and every other row is exact; without it, the run fails with
   that row's ``"ValueError: <message>"``.
 
-Each test runs one Ray Data pipeline on the session's Ray cluster (one engine
-actor each, ``concurrency=1``).
+Each test runs one Ray Data pipeline on the session's Ray cluster
+(``concurrency=1``): the first starts its engine in the actor (LocalVLLM); the
+other two attach to the session's running deployments by name
+(``engine_name``: ``tp2``, two ranks on two raylets, and ``tp1``), which stay
+up after the pipeline.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ def test_save_columns_equal_local_traces(ray_cluster, local_llama, model_dir, tm
         assert row["model.layers.3.output"].shape == (tokens, 128)
 
 
-def test_a_failing_row_is_its_own_error_and_the_others_are_exact(ray_cluster, local_llama, model_dir, tmp_path):
+def test_a_failing_row_is_its_own_error_and_the_others_are_exact(ray_tp2, local_llama, model_dir, tmp_path):
     from nnsight_ray.data import NNsightEngineProcessorConfig
 
     intervention = tmp_path / "iv.py"
@@ -110,7 +113,8 @@ def test_a_failing_row_is_its_own_error_and_the_others_are_exact(ray_cluster, lo
     )
     prompts = ["Hello, world!", "seven!!", "1 2 3 4 5", "Hi", "x" * 300]
     assert [len(local_llama.tokenizer(p)["input_ids"]) for p in prompts].count(7) == 1
-    config = NNsightEngineProcessorConfig(model_source=model_dir, engine_kwargs=dict(ENGINE_KWARGS), concurrency=1,
+    # On the session's TP=2 deployment, attached by name: its rows as exact as an engine of the actor's own.
+    config = NNsightEngineProcessorConfig(model_source=model_dir, engine_name="tp2", concurrency=1,
                                           batch_size=8, should_continue_on_error=True, intervention=str(intervention))
     keep = ["id", "generated_tokens", "h2", "top"]
     rows, _ = run(config, write_prompts(tmp_path / "prompts.parquet", prompts), keep)
@@ -131,12 +135,15 @@ def test_a_failing_row_is_its_own_error_and_the_others_are_exact(ray_cluster, lo
             top = local_llama.logits[-1].argmax().save()
             result = tracer.result.save()
         assert row["h2"].dtype.name == "float32"
-        assert_close(torch.from_numpy(row["h2"].copy()), h2, rel=1e-4)
+        assert_close(torch.from_numpy(row["h2"].copy()), h2)  # TP=2: two partial sums
         assert int(row["top"]) == int(top)
         assert list(row["generated_tokens"]) == list(result.outputs[0].token_ids)
+    with ray_tp2.trace("still serving", temperature=0.0, max_tokens=1):  # the pipeline left the engine running
+        logits = ray_tp2.logits.save()
+    assert logits.shape[-1] == local_llama.tokenizer.vocab_size or logits.numel() > 0
 
 
-def test_without_continue_on_error_the_run_fails_with_the_rows_message(ray_cluster, model_dir, tmp_path):
+def test_without_continue_on_error_the_run_fails_with_the_rows_message(ray_tp1, model_dir, tmp_path):
     from nnsight_ray.data import NNsightEngineProcessorConfig
 
     intervention = tmp_path / "iv.py"
@@ -147,7 +154,7 @@ def test_without_continue_on_error_the_run_fails_with_the_rows_message(ray_clust
         "        raise ValueError(f'seven tokens: {hidden.shape[0]}')\n"
         "    return {'h2': hidden[-1]}\n"
     )
-    config = NNsightEngineProcessorConfig(model_source=model_dir, engine_kwargs=dict(ENGINE_KWARGS), concurrency=1,
+    config = NNsightEngineProcessorConfig(model_source=model_dir, engine_name="tp1", concurrency=1,
                                           batch_size=8, intervention=str(intervention))
     with pytest.raises(Exception) as error:
         run(config, write_prompts(tmp_path / "prompts.parquet", ["Hello, world!", "seven!!", "Hi"]), ["id", "h2"])

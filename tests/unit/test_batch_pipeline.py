@@ -1,9 +1,8 @@
-"""The batch CLI's Ray Data path without a cluster: which runs take it, the prompt source, the row format,
+"""The batch CLI's Ray Data path without a cluster: its processor config, the prompt source, the row format,
 the exactly-once count (``nnsight_ray.batch.pipeline``). End to end: tests/integration/test_batch_data.py."""
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +11,7 @@ import pytest
 
 from nnsight_ray.batch.config import PromptsConfig, validate
 from nnsight_ray.batch.pipeline import (_ACTIVATION_ROW, _activation_encoder, _caster, _failed_values, _row_encoder,
-                                        _row_normalizer, check_output, committed_rows, remove_orphans, route)
+                                        _row_normalizer, check_output, committed_rows, remove_orphans)
 
 
 def config(tmp_path, **sections):
@@ -23,13 +22,18 @@ def config(tmp_path, **sections):
     return validate(data)
 
 
-def test_every_run_but_connect_takes_ray_data(tmp_path):
-    assert route(config(tmp_path)) is None
-    assert route(config(tmp_path, saves=None, intervention="iv.py")) is None
-    assert route(config(tmp_path, output={"format": "activations"})) is None
-    assert route(config(tmp_path, engine={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})) is None
-    assert "--connect" in route(config(tmp_path), ["tp1"])
-    assert "--connect" in route(config(tmp_path, output={"format": "activations"}), ["tp1"])
+def test_connect_runs_on_the_named_engines_with_a_batch_in_flight_on_each(tmp_path):
+    """--connect: the processor attaches to the deployments (no engine section, no group), one client actor."""
+    from types import SimpleNamespace
+
+    from nnsight_ray.batch.pipeline import processor_config
+
+    for output in ({}, {"format": "activations", "shard_size": 4}):
+        made = processor_config(SimpleNamespace(model_path="/m", config=config(
+            tmp_path, engine={"tensor_parallel_size": 2, "replicas": 3}, output=output)), ["a", "b", "c"])
+        assert made.engine_names == ["a", "b", "c"] and made.engine_kwargs == {} and not made.rank_actors
+        assert made.concurrency == 1 and made.max_concurrent_batches >= 3 and made.placement_group_config is None
+        assert (made.activations is not None) == bool(output) and made.model_source == "/m"
 
 
 def test_prompt_sources_local_or_any_uri_with_a_format():
@@ -42,16 +46,6 @@ def test_prompt_sources_local_or_any_uri_with_a_format():
         PromptsConfig(path="s3://bucket/prompts/")
 
 
-def test_a_uri_on_the_runners_path_is_refused_before_anything_starts(tmp_path, capsys):
-    from nnsight_ray.batch.__main__ import main
-
-    path = tmp_path / "run.yaml"
-    path.write_text(json.dumps({"model": {"path": "m"}, "prompts": {"path": "s3://b/p.jsonl"},
-                                "saves": [{"location": "model.layers.0.output", "tokens": "all"}],
-                                "output": {"dir": str(tmp_path / "o"), "format": "activations"}}))
-    assert main(["--config", str(path), "--check", "--connect", "tp1"]) == 2
-    err = capsys.readouterr().err
-    assert "'s3://b/p.jsonl': a URI is read by Ray Data" in err and "--connect" in err
 
 
 def rows_as_written(rows, names):

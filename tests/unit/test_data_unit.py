@@ -57,6 +57,11 @@ def test_config_takes_ray_data_llm_fields_and_saves():
     ({"max_pending_requests": 8}, "max_pending_requests"),
     ({"concurrency": 0}, "positive integer"),
     ({"sves": [SAVE]}, "sves"),
+    ({"engine_name": []}, "non-empty list"),
+    ({"engine_name": ["a", "a"]}, "['a'] listed twice"),
+    ({"engine_name": "a", "engine_kwargs": {"max_model_len": 64}}, "engine_kwargs: a connected engine"),
+    ({"engine_name": "a", "num_gpus": 1, "placement_group_config": {"bundle_per_worker": {"CPU": 1}}},
+     "num_gpus, placement_group_config: a connected engine"),
 ])
 def test_config_refuses(kwargs, words):
     with pytest.raises(ValidationError) as error:
@@ -184,6 +189,35 @@ def test_a_parallel_engine_places_each_actor_in_a_group_of_its_ranks(kwargs, bun
     assert "ray_remote_args_fn" not in single.map_batches_kwargs and single.fn_constructor_kwargs["placement"] is None
 
 
+def test_a_connected_engine_takes_no_group_and_its_actors_no_gpu():
+    """``engine_name``: the actors attach to running deployments (placed already), at any layout or mode."""
+    for extra in ({}, {"activations": ACTS, "saves": None}):
+        made = config(engine_name="tp2", accelerator_type="H100", **extra)
+        assert made.engine_names == ["tp2"] and not made.rank_actors
+        engine = build_processor(made, builder_kwargs={"check": False}).get_stage_by_name("NNsightEngineStage")
+        got = engine.get_dataset_map_batches_kwargs(batch_size=4, data_column="__data")
+        assert got["num_gpus"] == 0 and "ray_remote_args_fn" not in got and "accelerator_type" not in got
+        assert got["fn_constructor_kwargs"]["engine_names"] == ["tp2"]
+        assert got["fn_constructor_kwargs"]["placement"] is None
+    assert config(engine_name=["a", "b"]).engine_names == ["a", "b"]
+
+
+def test_batches_go_to_the_connected_engine_with_the_fewest_in_flight():
+    udf = FakeUDF(True)
+    udf.engines = [stage.Engine(object(), None, None, owned=False) for _ in range(3)]
+    udf._lock = __import__("threading").Lock()
+    taken = [udf._acquire() for _ in range(4)]
+    assert [udf.engines.index(e) for e in taken] == [0, 1, 2, 0]
+    taken[1].in_flight -= 1
+    assert udf._acquire() is udf.engines[1]
+
+
+def test_a_connected_engine_must_serve_model_source(tmp_path):
+    assert stage.same_model(str(tmp_path), str(tmp_path / "x" / ".."))
+    assert not stage.same_model("org/model-a", "org/model-b")
+    assert stage.same_model("org/model-a", "org/model-a")
+
+
 def test_a_group_is_reserved_only_when_ray_data_starts_an_actor():
     """Ray Data also calls ``ray_remote_args_fn`` from its memory issue detector, with no actor to place."""
     import inspect
@@ -232,7 +266,7 @@ class FakeUDF(stage.NNsightEngineStageUDF):
     def __init__(self, continue_on_error: bool) -> None:  # no engine
         self.should_continue_on_error = continue_on_error
         self.names = ["h"]
-        self.model, self.fn = object(), None
+        self.engines = [stage.Engine(object(), None, None, owned=False)]
         self.traces: list[list[str]] = []
 
 
@@ -384,8 +418,7 @@ class FakeActivationUDF(stage.NNsightEngineStageUDF):
         self.should_continue_on_error = continue_on_error
         self.activations = {**ACTS, "dtype": "auto", "generated": False, "fsync": False}
         self.names = list(columns.ACTIVATION_COLUMNS)
-        self._thread = ThreadPoolExecutor(max_workers=1)
-        self.model, self.fn = FakeRayVLLM(), None
+        self.engines = [stage.Engine(FakeRayVLLM(), ThreadPoolExecutor(max_workers=1), None, owned=False)]
 
 
 @pytest.fixture
