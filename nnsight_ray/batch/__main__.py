@@ -73,7 +73,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         loopback_only()
     from .config import load_config
     from .errors import BatchConfigError, BatchRunError
-    from .pipeline import ACTIVATIONS_DIR, check_source
+    from .pipeline import ACTIVATIONS_DIR, check_source, refuse_runner_folder
 
     _logging(args.verbose)
     try:
@@ -84,6 +84,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         config = load_config(args.config, args.overrides)
         prepared = prepare(config, args.config)
+        refuse_runner_folder(prepared)
         if args.check:
             count = len(prepared.prompts)
             if config.prompts.remote:  # read through Ray Data: joins the cluster (no engine starts)

@@ -56,8 +56,8 @@ from .shards import SHAPE_SUFFIX
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataRunResult", "TextLines", "build_dataset", "check_output", "read_dataset", "remove_orphans",
-           "run_on_ray_data"]
+__all__ = ["DataRunResult", "TextLines", "build_dataset", "check_output", "read_dataset", "refuse_runner_folder",
+           "remove_orphans", "run_on_ray_data"]
 
 DATA_DIR = "data"
 CHECKPOINT_DIR = "checkpoint"
@@ -65,6 +65,24 @@ ACTIVATIONS_DIR = "activations"
 _FIXED = ("prompt", "error", "generated_text")
 #: An activation dataset's row columns besides the id, prompt and error, as a failed row has them (null).
 _ACTIVATION_ROW = {"files": None, "prompt_index": None, "tokens": None}
+
+
+def refuse_runner_folder(prepared: Prepared) -> None:
+    """A folder the hand-written runner wrote (its shards and manifest) is not resumed here: ``BatchConfigError``.
+
+    This path keeps its rows under ``data/`` and its progress in Ray Data's checkpoint; run over a runner's folder
+    it would run every prompt again beside the runner's shards.
+    """
+    from .shards import FORMAT
+
+    previous = prepared.previous or {}
+    if previous.get("format") == FORMAT:
+        folder = prepared.run_dir.path
+        raise BatchConfigError(
+            f"output.dir {str(folder)!r} holds a run of the hand-written runner ({previous.get('status', 'unknown')}, "
+            "shard-*.parquet or shard-*.safetensors with manifest.json); the command line writes Ray Data rows under "
+            "data/ and would run every prompt again. Finish that run with run_batch(...) from Python, or use another "
+            "output.dir (--set output.dir=...)")
 
 
 # --------------------------------------------------------------------------- reading
@@ -412,6 +430,7 @@ def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO
 
     config = prepared.config
     stream = stream or sys.stdout
+    refuse_runner_folder(prepared)
     folder = prepared.run_dir.path
     checkpoint = folder / CHECKPOINT_DIR
     prepared.run_dir.prepare()

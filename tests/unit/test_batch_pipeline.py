@@ -3,6 +3,7 @@ the exactly-once count (``nnsight_ray.batch.pipeline``). End to end: tests/integ
 
 from __future__ import annotations
 
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -189,3 +190,24 @@ def test_an_activation_dataset_is_the_processors_activation_mode(tmp_path):
     assert made.activations.locations == ["model.layers.1.output"] and made.activations.fsync
     assert made.batch_size == 4 and made.max_concurrent_batches == 8  # max(32, 8 x shard_size) in flight
     assert made.rank_bundles() == ([{"CPU": 1.0}], "PACK")
+
+
+def test_a_folder_the_runner_wrote_is_refused_not_run_again(tmp_path):
+    """The CLI's Ray Data path keeps rows under data/; over a runner's shards it would run every prompt again."""
+    from nnsight_ray.batch.errors import BatchConfigError
+    from nnsight_ray.batch.pipeline import refuse_runner_folder
+    from nnsight_ray.batch.preflight import prepare
+    from nnsight_ray.batch.shards import FORMAT
+
+    made = config(tmp_path)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
+    first = prepare(made, resolve=False)
+    refuse_runner_folder(first)  # a new folder
+    first.run_dir.prepare()
+    first.run_dir.manifest_path.write_text(json.dumps({"format": FORMAT, "status": "incomplete",
+                                                       "fingerprint": first.run_dir.fingerprint}))
+    with pytest.raises(BatchConfigError, match="holds a run of the hand-written runner \\(incomplete"):
+        refuse_runner_folder(prepare(made, resolve=False))
+    first.run_dir.manifest_path.write_text(json.dumps({"format": "nnsight_ray.batch/2 (ray data)",
+                                                       "fingerprint": first.run_dir.fingerprint}))
+    refuse_runner_folder(prepare(made, resolve=False))  # its own folder resumes
