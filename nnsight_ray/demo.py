@@ -228,8 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_prompts(out / "prompts.jsonl")
     raw = demo_config(out, num_layers)
     (out / "batch.yaml").write_text(
-        "# Written by `python -m nnsight_ray.demo`; rerun with:\n"
-        f"#   nnsight-ray batch --config {out / 'batch.yaml'} --local-cluster {NODES}\n"
+        "# Written by `python -m nnsight_ray.demo`, which runs it with run_batch(...) (resume: run the demo again).\n"
+        "# The same config on the command line (a Ray Data pipeline; an output folder of its own):\n"
+        f"#   nnsight-ray batch --config {out / 'batch.yaml'} --local-cluster {NODES} --set output.dir={out / 'rows'}\n"
         + yaml.safe_dump(raw, sort_keys=False)
     )
     config = validate(raw, str(out / "batch.yaml"))
@@ -254,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(f"nnsight_ray demo done in {elapsed:.0f} s")
     if topology:
-        print(f"  ranks:     " + ", ".join(f"tp{t['tp_rank']} on node {str(t['node_id'])[:12]}" for t in
+        print("  ranks:     " + ", ".join(f"tp{t['tp_rank']} on node {str(t['node_id'])[:12]}" for t in
                                       sorted(topology, key=lambda t: t["rank"]))
               + f" ({len(nodes)} distinct Ray nodes)")
     print(f"  model:     {out / 'model'}")
@@ -263,7 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  manifest:  {result.manifest}")
     print(f"  picture:   {picture}")
     print(f"  check:     logit lens at the last layer vs the engine's logits, relative error {lens_error:.1e}")
-    print(f"  rerun:     nnsight-ray batch --config {out / 'batch.yaml'} --local-cluster {NODES}")
+    print(f"  rerun:     python -m nnsight_ray.demo --out {out}   (resumes; --fresh starts over)")
+    print(f"  on Ray Data: nnsight-ray batch --config {out / 'batch.yaml'} --local-cluster {NODES} "
+          f"--set output.dir={out / 'rows'}")
     return 0 if result.complete and lens_error < 1e-3 else 1
 
 

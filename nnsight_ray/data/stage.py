@@ -6,8 +6,11 @@ Data LLM defines it). Each actor holds one engine: a ``LocalVLLM`` at TP x PP
 = 1, a ``RayVLLM`` above (and for an activation dataset at any layout), whose
 rank actors take the bundles of the placement group the actor runs in
 (``placement``). It is built on the actor's
-one tracing thread, which every trace then runs on (one tracing thread per
-client object); the actor's event loop stays free. When Ray Data lets the
+one tracing thread, which every trace is then built on (one tracing thread per
+client object); the actor's event loop stays free. A ``RayVLLM``'s traces are
+sent without waiting (``blocking=False``) and waited for on a pool of
+``max_concurrent_batches`` threads, so that many batches are in flight on the
+engine at once; a ``LocalVLLM``'s run to the end on the tracing thread. When Ray Data lets the
 actor go, the engine is shut down (and, for a ``RayVLLM``, the actor's group
 removed: ``placement.stop_engine``).
 
@@ -66,16 +69,18 @@ __all__ = ["EXTRACT_SAMPLING", "NNsightEngineStage", "NNsightEngineStageUDF", "e
 EXTRACT_SAMPLING = {"max_tokens": 1, "temperature": 0.0}
 
 
-def run_trace(model: Any, fn: Callable, requests: Sequence[tuple[Any, dict[str, Any]]]) -> list[tuple]:
+def run_trace(model: Any, fn: Callable, requests: Sequence[tuple[Any, dict[str, Any]]],
+              blocking: bool = True) -> Any:
     """One trace, one invoke per ``(prompt, sampling)``: each invoke's ``(values, prompt ids, generated ids, text)``.
 
     ``rows`` is bound and saved above the invokes, so each request's copy
     carries its own slot and nnsight merges them slot-wise (as the batch
-    runner's ``submit_trace``).
+    runner's ``submit_trace``). ``blocking=False`` (a ``RayVLLM``): returns the
+    tracer once the requests are sent; ``tracer.collect()["rows"]`` waits for them.
     """
     import nnsight
 
-    with model.trace() as tracer:
+    with model.trace(**({} if blocking else {"blocking": False})) as tracer:
         rows = nnsight.save([None] * len(requests))
         for i, (prompt, sampling) in enumerate(requests):
             with tracer.invoke(prompt, **sampling):
@@ -83,7 +88,7 @@ def run_trace(model: Any, fn: Callable, requests: Sequence[tuple[Any, dict[str, 
                 result = tracer.result
                 rows[i] = (values, list(result.prompt_token_ids), list(result.outputs[0].token_ids),
                            result.outputs[0].text)
-    return list(rows)
+    return list(rows) if blocking else tracer
 
 
 def extract_sampling(sampling: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -118,6 +123,12 @@ class Engine:
     owned: bool
     in_flight: int = 0
 
+    @property
+    def sends(self) -> bool:
+        """Whether its traces can be sent without waiting (a ``RayVLLM``: ``trace(blocking=False)``), so several
+        of the actor's batches are in flight on it at once; else each holds its thread to the end."""
+        return type(self.model).__name__ == "RayVLLM"
+
 
 def same_model(served: Any, model_source: str) -> bool:
     """Whether a connected deployment's model is ``model_source`` (paths compared resolved)."""
@@ -143,9 +154,8 @@ class NNsightEngineStageUDF(StatefulStageUDF):
         self.should_continue_on_error = should_continue_on_error
         self.activations = activations
         self.names = list(ACTIVATION_COLUMNS) if activations else [spec["location"] for spec in saves or []]
-        # Activation batches wait for their outputs and commits here, several at once.
-        self._waits = ThreadPoolExecutor(max_workers=max(1, max_concurrent_batches),
-                                         thread_name_prefix="nnsight-extract") if activations else None
+        # Batches wait here, several at once: for their traces' values, or their outputs and commits.
+        self._waits = ThreadPoolExecutor(max_workers=max(1, max_concurrent_batches), thread_name_prefix="nnsight-wait")
         self._lock = threading.Lock()
         self.engines: list[Engine] = []
         names = list(engine_names or [None])
@@ -204,17 +214,21 @@ class NNsightEngineStageUDF(StatefulStageUDF):
         loop = asyncio.get_running_loop()
         engine = self._acquire()
         try:
-            if self.activations:
-                rows = await loop.run_in_executor(self._waits, self.extract_batch, batch, engine)
-            else:
-                rows = await loop.run_in_executor(engine.thread, self.run_batch, batch, engine)
+            work = self.extract_batch if self.activations else self.run_batch
+            rows = await loop.run_in_executor(self._waits, work, batch, engine)
         finally:
             with self._lock:
                 engine.in_flight -= 1
         for row in rows:
             yield row
 
-    # -- on the engine's tracing thread ----------------------------------------
+    # -- on a waiting thread; traces are built on the engine's tracing thread ---
+
+    def _trace(self, engine: Engine, requests: list[tuple[Any, dict[str, Any]]]) -> list[tuple]:
+        if engine.sends:  # sent from the tracing thread, waited for here: the thread is free for the next batch
+            tracer = engine.thread.submit(run_trace, engine.model, engine.fn, requests, False).result()
+            return list(tracer.collect()["rows"])
+        return engine.thread.submit(run_trace, engine.model, engine.fn, requests).result()
 
     def run_batch(self, batch: list[dict[str, Any]], engine: Engine | None = None) -> list[dict[str, Any]]:
         engine = engine or self.engines[0]
@@ -231,7 +245,7 @@ class NNsightEngineStageUDF(StatefulStageUDF):
             return out
         started = time.perf_counter()
         try:
-            results = run_trace(engine.model, engine.fn, [(prompt, sampling) for _, prompt, sampling in todo])
+            results = self._trace(engine, [(prompt, sampling) for _, prompt, sampling in todo])
         except Exception as error:
             self._check(error)
             # As the batch runner's scheduler: the failing row is found by running each alone.
@@ -251,7 +265,7 @@ class NNsightEngineStageUDF(StatefulStageUDF):
 
     def _alone(self, engine: Engine, prompt: Any, sampling: dict[str, Any]) -> Any:
         try:
-            return run_trace(engine.model, engine.fn, [(prompt, sampling)])[0]
+            return self._trace(engine, [(prompt, sampling)])[0]
         except Exception as error:
             self._check(error)
             return error

@@ -266,7 +266,9 @@ class FakeUDF(stage.NNsightEngineStageUDF):
     def __init__(self, continue_on_error: bool) -> None:  # no engine
         self.should_continue_on_error = continue_on_error
         self.names = ["h"]
-        self.engines = [stage.Engine(object(), None, None, owned=False)]
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.engines = [stage.Engine(object(), ThreadPoolExecutor(max_workers=1), None, owned=False)]
         self.traces: list[list[str]] = []
 
 
@@ -470,3 +472,36 @@ def test_an_engine_that_died_under_an_activation_batch_ends_the_actor(fake_commi
     with pytest.raises(SystemExit):
         udf.extract_batch(rows("ab", "cd"))
     assert len(udf.model.vllm_entrypoint.parts) == 1, "not retried on the dead engine"
+
+
+def test_a_ray_engines_trace_is_sent_on_its_thread_and_waited_for_off_it(monkeypatch):
+    """A RayVLLM's batch holds its tracing thread only while the trace is built and sent (``blocking=False``), so
+    the actor's next batch can be sent while this one runs; an in-process engine's holds it to the end."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    class RayVLLM:  # the name is what marks an engine whose traces can be sent without waiting
+        pass
+
+    seen = []
+
+    class Sent:
+        def collect(self):
+            seen.append(("collect", threading.current_thread().name))
+            return {"rows": [({"h": torch.ones(2)}, [1, 2], [7], "x")]}
+
+    def run(model, fn, requests, blocking=True):
+        seen.append(("build", threading.current_thread().name, blocking))
+        return Sent() if not blocking else [({"h": torch.ones(2)}, [1, 2], [7], "x")]
+
+    monkeypatch.setattr(stage, "run_trace", run)
+    udf = FakeUDF(True)
+    udf.engines = [stage.Engine(RayVLLM(), ThreadPoolExecutor(1, thread_name_prefix="tracing"), None, owned=False)]
+    out = udf.run_batch(rows("ab"))
+    assert out[0]["generated_tokens"] == [7] and out[0]["__inference_error__"] == ""
+    assert seen[0][0] == "build" and seen[0][1].startswith("tracing") and seen[0][2] is False
+    assert seen[1][0] == "collect" and not seen[1][1].startswith("tracing")
+    seen.clear()
+    udf.engines = [stage.Engine(object(), ThreadPoolExecutor(1, thread_name_prefix="tracing"), None, owned=False)]
+    udf.run_batch(rows("ab"))
+    assert [entry[0] for entry in seen] == ["build"] and seen[0][2] is True
