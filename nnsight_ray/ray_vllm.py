@@ -193,10 +193,12 @@ class RemoteEngine:
     def generate(self, prompts: Any, sampling_params: Any = None, lora_request: Any = None, **kwargs: Any) -> list:
         return self.wait(self.generate_async(prompts, sampling_params, lora_request, **kwargs))
 
-    def trace_ref(self, prompts: list, params: list, loras: list | None, presaved: set[str]) -> Any:
-        """Submit a trace's requests; an ``ObjectRef`` to ``{name: value}`` (raising the trace's error)."""
+    def trace_ref(self, prompts: list, params: list, loras: list | None, presaved: set[str],
+                  outputs: bool = False) -> Any:
+        """Submit a trace's requests; an ``ObjectRef`` to ``{name: value}`` (raising the trace's error), or with
+        ``outputs`` to ``({name: value}, [each request's summary])`` (``merge.book.request_summary``)."""
         group, size = self.submit(prompts, params, loras)
-        return self._merge(group).trace.remote(group, size, set(presaved))
+        return self._merge(group).trace.remote(group, size, set(presaved), outputs)
 
     def collective_rpc(self, method: str, args: tuple = (), **_: Any) -> list:
         return self.wait(self.engine.rpc.remote(method, tuple(args)))
@@ -447,15 +449,23 @@ class RayVLLM(LocalVLLM):
             return 1
         return int(self._deployment.spec.engine_kwargs.get("pipeline_parallel_size") or 1)
 
-    def trace(self, *inputs: Any, blocking: bool = True, **kwargs: Any) -> Any:
-        """nnsight's trace; ``blocking=False`` returns at once with ``tracer.ref`` (see ``refs``)."""
+    def trace(self, *inputs: Any, blocking: bool = True, outputs: bool = False, **kwargs: Any) -> Any:
+        """nnsight's trace; ``blocking=False`` returns at once with ``tracer.ref`` (see ``refs``).
+
+        ``outputs=True`` (with ``blocking=False``): ``tracer.collect()`` returns ``(values, outputs)``, each
+        invoke's prompt token ids, generated token ids and text in invoke order, read from the finished requests:
+        no block has to wait on ``tracer.result`` for them, which holds the request's intervention open to its end.
+        """
         own_backend = kwargs.get("backend") is None and kwargs.get("serve") is None
+        if outputs and (blocking or not own_backend or self._async_engine):
+            raise ValueError("trace(outputs=True) needs blocking=False on a RayVLLM's own backend (not async, "
+                             "not serve=, not a backend of your own); read tracer.result in the block instead")
         if own_backend and self._async_engine:
             from .streaming import RayStreamBackend
 
             kwargs["backend"] = RayStreamBackend(self)
         elif own_backend and not blocking:
-            kwargs["backend"] = RayRefBackend(self)
+            kwargs["backend"] = RayRefBackend(self, outputs=outputs)
         tracer = super().trace(*inputs, **kwargs)
         if not isinstance(kwargs.get("backend"), RayRefBackend):
             no_ref(tracer)

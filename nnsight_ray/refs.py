@@ -13,6 +13,9 @@ deployment and returns at once; the merge actor assembles the trace's
 * ``tracer.collect(timeout=None)``: the same dict, waited for without ever
   hanging on a dead deployment (``RemoteEngine.wait``); raises the
   intervention's own typed error, as a blocking trace does.
+* ``trace(blocking=False, outputs=True)``: the ref (and ``collect()``) is
+  ``(dict, outputs)``, each invoke's prompt token ids, generated token ids
+  and text from its finished request (``merge.book.request_summary``).
 
 The variables saved in the block are not assigned in the caller's frame (there
 is nothing to assign yet): read the values from the dict.
@@ -65,13 +68,16 @@ def build(model: Any, tracer: Any) -> BuiltTrace:
 class RayRefBackend(Backend):
     """Backend for ``trace(..., blocking=False)`` on a ``RayVLLM``."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, outputs: bool = False) -> None:
         self.model = model
+        self.outputs = outputs
         self.ref: Any = None
 
     def __call__(self, tracer: Any) -> None:
         built = build(self.model, tracer)
-        self.ref = self.model.vllm_entrypoint.trace_ref(built.prompts, built.params, built.loras, built.presaved)
+        extra = {"outputs": True} if self.outputs else {}
+        self.ref = self.model.vllm_entrypoint.trace_ref(built.prompts, built.params, built.loras, built.presaved,
+                                                        **extra)
         tracer.ref = self.ref
         tracer.collect = self.collect
 

@@ -211,9 +211,9 @@ class OutputConfig(_Section):
 class RunnerConfig(_Section):
     """Tuning of the runner itself; defaults suit most runs."""
 
-    max_in_flight: int = Field(32, ge=1, description="Prompts submitted and not yet returned, per engine replica.")
+    max_in_flight: int = Field(256, ge=1, description="Prompts submitted and not yet returned, per engine replica.")
     prompts_per_trace: int = Field(
-        8, ge=1, description="Prompts per trace (one invoke each); a trace with a failing prompt is retried one by one."
+        32, ge=1, description="Prompts per trace (one invoke each); a trace with a failing prompt is retried one by one."
     )
     shard_retries: int = Field(2, ge=0, description="Times a shard is retried after an engine died under it.")
     engine_restarts: int = Field(1, ge=0, description="Times a dead engine replica this run started is rebuilt.")
@@ -285,9 +285,9 @@ class BatchConfig(_Section):
         return self.output.format == "activations"
 
     def max_in_flight(self) -> int:
-        """Prompts in flight per replica: as configured; for activations, at least 8 shards unless set."""
+        """Prompts in flight per replica: as configured; for activations, 8 shards (8 parts) unless set."""
         if self.activations and "max_in_flight" not in self.runner.model_fields_set:
-            return max(self.runner.max_in_flight, 8 * self.output.shard_size)
+            return 8 * self.output.shard_size
         return self.runner.max_in_flight
 
 

@@ -3,7 +3,7 @@
 ::
 
     ray.data.read_json / read_parquet / read_datasource(TextLines)   the prompts, local or any URI Ray Data reads
-      -> repartition(target_num_rows_per_block=output.shard_size)       a block per file: written as it is done
+      -> repartition(target_num_rows_per_block=output.shard_size, strict=True)   a block per file, written when done
       -> nnsight_ray.data.build_processor(NNsightEngineProcessorConfig)   an engine per actor, one trace a batch
       -> rows (id, prompt, error, generated_text, <value>, <value>.shape)
       -> write_parquet(<output.dir>/data)   with DataContext.checkpoint_config keyed by the prompt id
@@ -304,8 +304,9 @@ def build_dataset(prepared: Prepared, connect: list[str] | None = None):
         builder_kwargs={"check": False},  # prepare() checked the engine arguments and the saves already
     )
     # Blocks of output.shard_size prompts: each one is a task of the engine stage and then a file, written and
-    # committed (checkpointed) as soon as its prompts are back, not when a whole input file's are.
-    prompts = read_dataset(source).repartition(target_num_rows_per_block=config.output.shard_size)
+    # committed (checkpointed) as soon as its prompts are back, not when a whole input file's are. Strict: Ray
+    # Data splits a read into ~200 blocks, which a non-strict repartition passes on (10-prompt engine tasks).
+    prompts = read_dataset(source).repartition(target_num_rows_per_block=config.output.shard_size, strict=True)
     dataset = processor(prompts).map(_row_normalizer(id_field, text_field, empty))
     return dataset.map_batches(_caster(id_field, config.activations), batch_format="pyarrow")
 

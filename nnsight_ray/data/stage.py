@@ -63,7 +63,8 @@ from .columns import ACTIVATION_COLUMNS, activation_row, describe_error, failure
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXTRACT_SAMPLING", "NNsightEngineStage", "NNsightEngineStageUDF", "extract_sampling", "run_trace"]
+__all__ = ["EXTRACT_SAMPLING", "NNsightEngineStage", "NNsightEngineStageUDF", "extract_sampling", "run_trace",
+           "trace_rows"]
 
 #: The sampling fields an activation dataset's requests take (``RayVLLM.extract_async``), with their defaults.
 EXTRACT_SAMPLING = {"max_tokens": 1, "temperature": 0.0}
@@ -75,20 +76,34 @@ def run_trace(model: Any, fn: Callable, requests: Sequence[tuple[Any, dict[str, 
 
     ``rows`` is bound and saved above the invokes, so each request's copy
     carries its own slot and nnsight merges them slot-wise (as the batch
-    runner's ``submit_trace``). ``blocking=False`` (a ``RayVLLM``): returns the
-    tracer once the requests are sent; ``tracer.collect()["rows"]`` waits for them.
+    runner's ``submit_trace``). Blocking (a ``LocalVLLM``), each invoke reads
+    its request's output from ``tracer.result``. ``blocking=False`` (a
+    ``RayVLLM``): returns the tracer once the requests are sent, the blocks
+    save only the values, and ``trace_rows(tracer)`` waits for the values and
+    the requests' outputs (``trace(outputs=True)``), so no block is held open
+    on a rank until its request ends.
     """
     import nnsight
 
-    with model.trace(**({} if blocking else {"blocking": False})) as tracer:
+    with model.trace(**({} if blocking else {"blocking": False, "outputs": True})) as tracer:
         rows = nnsight.save([None] * len(requests))
         for i, (prompt, sampling) in enumerate(requests):
             with tracer.invoke(prompt, **sampling):
                 values = fn(model, tracer)
-                result = tracer.result
-                rows[i] = (values, list(result.prompt_token_ids), list(result.outputs[0].token_ids),
-                           result.outputs[0].text)
+                if blocking:
+                    result = tracer.result
+                    rows[i] = (values, list(result.prompt_token_ids), list(result.outputs[0].token_ids),
+                               result.outputs[0].text)
+                else:
+                    rows[i] = values
     return list(rows) if blocking else tracer
+
+
+def trace_rows(tracer: Any) -> list[tuple]:
+    """A non-blocking ``run_trace``'s rows once its requests are done: ``(values, prompt ids, generated ids, text)``."""
+    saves, outputs = tracer.collect()
+    return [(values, out["prompt_token_ids"], out["token_ids"], out["text"])
+            for values, out in zip(saves["rows"], outputs)]
 
 
 def extract_sampling(sampling: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -227,7 +242,7 @@ class NNsightEngineStageUDF(StatefulStageUDF):
     def _trace(self, engine: Engine, requests: list[tuple[Any, dict[str, Any]]]) -> list[tuple]:
         if engine.sends:  # sent from the tracing thread, waited for here: the thread is free for the next batch
             tracer = engine.thread.submit(run_trace, engine.model, engine.fn, requests, False).result()
-            return list(tracer.collect()["rows"])
+            return trace_rows(tracer)
         return engine.thread.submit(run_trace, engine.model, engine.fn, requests).result()
 
     def run_batch(self, batch: list[dict[str, Any]], engine: Engine | None = None) -> list[dict[str, Any]]:

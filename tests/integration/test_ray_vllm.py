@@ -63,6 +63,29 @@ def test_non_blocking_ref_resolves_in_another_task(ray_tp1, local_llama):
     assert_close(tracer.collect()["hidden"], want)
 
 
+def test_outputs_come_home_with_the_values_without_a_block_waiting_on_the_result(ray_tp1, local_llama):
+    """trace(blocking=False, outputs=True): each invoke's prompt ids, tokens and text, as tracer.result has them."""
+    prompts = ["Hello world", "seven!!"]
+    with ray_tp1.trace(temperature=0.0, max_tokens=4, blocking=False, outputs=True) as tracer:
+        hidden = nnsight.save([None, None])
+        for i, prompt in enumerate(prompts):
+            with tracer.invoke(prompt):
+                hidden[i] = ray_tp1.model.layers[2].output[0].clone()
+    values, outputs = tracer.collect()
+    with ray_tp1.trace(temperature=0.0, max_tokens=4) as reference:
+        results = nnsight.save([None, None])
+        for i, prompt in enumerate(prompts):
+            with reference.invoke(prompt):
+                result = reference.result
+                results[i] = (list(result.prompt_token_ids), list(result.outputs[0].token_ids), result.outputs[0].text)
+    assert [(o["prompt_token_ids"], o["token_ids"], o["text"]) for o in outputs] == list(results)
+    for i, prompt in enumerate(prompts):
+        want, _ = layer_and_logits(local_llama, prompt)
+        assert_close(values["hidden"][i], want)
+    with pytest.raises(ValueError, match="needs blocking=False"):
+        ray_tp1.trace("Hello", outputs=True)
+
+
 def test_nnsight_keywords_are_taken_and_prefix_caching_is_off_by_default(ray_tp1):
     """RayVLLM takes nnsight VLLM's keywords with nnsight's defaults (issue 14.2).
 

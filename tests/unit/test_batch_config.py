@@ -58,7 +58,7 @@ def test_demo_config_loads_with_defaults_filled(monkeypatch):
     assert config.engine.tensor_parallel_size == 2 and config.engine.world_size == 2
     assert config.engine.placement_strategy == "STRICT_SPREAD"
     assert [s.location for s in config.saves][-1] == "logits"
-    assert config.runner.max_in_flight == 32 and config.runner.prompts_per_trace <= 32
+    assert config.runner.max_in_flight == 256 and config.runner.prompts_per_trace == 32
 
 
 def test_demo_prompts_file_is_the_demo_modules_prompts():
@@ -98,7 +98,7 @@ def test_unknown_keys_are_named_with_the_allowed_ones(tmp_path, override, needle
         ("saves=[]", "exactly one of `saves`"),
         ("engine.engine_kwargs.tensor_parallel_size=2", "use engine.tensor_parallel_size"),
         ("engine.engine_kwargs.model=/x", "use model.path"),
-        ("runner.prompts_per_trace=64", "exceeds max_in_flight"),
+        ("runner.prompts_per_trace=512", "exceeds max_in_flight"),
         ("saves=[{location: logits}, {location: model.logits}]", "'logits' is listed twice"),
         ("model=null", "model"),
     ],
@@ -138,11 +138,11 @@ def test_activations_defaults_keep_a_gpu_engine_busy(tmp_path):
     data["output"] = {**data["output"], "format": "activations", "shard_size": 64}
     config = validate(data)
     assert config.activations and config.output.dtype == "auto"
-    assert config.max_in_flight() == 8 * 64  # not the parquet runner's 32
+    assert config.max_in_flight() == 8 * 64  # not the parquet runner's 256
     data["runner"] = {"max_in_flight": 100}
     assert validate(data).max_in_flight() == 100  # as set
     plain = validate(minimal(tmp_path))
-    assert not plain.activations and plain.max_in_flight() == 32
+    assert not plain.activations and plain.max_in_flight() == 256
     for setting in ({"dtype": "float16"}, {"generated": True}):
         with pytest.raises(BatchConfigError, match="output.generated apply to output.format=activations"):
             validate({**minimal(tmp_path), "output": {"dir": str(tmp_path / "o"), **setting}})

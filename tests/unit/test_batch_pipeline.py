@@ -109,7 +109,7 @@ def test_the_engine_layout_becomes_the_processors(tmp_path):
 
     one = processor_config(SimpleNamespace(config=config(tmp_path, engine={"replicas": 2}), model_path="/m"))
     assert one.placement_group_config is None and "tensor_parallel_size" not in one.engine_kwargs
-    assert one.concurrency == (2, 2) and one.batch_size == 8 and one.model_source == "/m"
+    assert one.concurrency == (2, 2) and one.batch_size == 32 and one.model_source == "/m"
     four = processor_config(SimpleNamespace(model_path="/m", config=config(
         tmp_path, engine={"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "placement_strategy": "SPREAD"})))
     assert four.engine_kwargs["tensor_parallel_size"] == 2 and four.engine_kwargs["pipeline_parallel_size"] == 2
@@ -188,7 +188,7 @@ def test_an_activation_dataset_is_the_processors_activation_mode(tmp_path):
     assert made.saves is None and made.rank_actors and made.world_size == 1
     assert made.activations.dir == str(tmp_path / "o" / "activations") and made.activations.dtype == "float16"
     assert made.activations.locations == ["model.layers.1.output"] and made.activations.fsync
-    assert made.batch_size == 4 and made.max_concurrent_batches == 8  # max(32, 8 x shard_size) in flight
+    assert made.batch_size == 4 and made.max_concurrent_batches == 8  # 8 x shard_size in flight
     assert made.rank_bundles() == ([{"CPU": 1.0}], "PACK")
 
 

@@ -488,7 +488,8 @@ def test_a_ray_engines_trace_is_sent_on_its_thread_and_waited_for_off_it(monkeyp
     class Sent:
         def collect(self):
             seen.append(("collect", threading.current_thread().name))
-            return {"rows": [({"h": torch.ones(2)}, [1, 2], [7], "x")]}
+            # trace(outputs=True): the values, and each request's output read at its end (no block waits for it)
+            return {"rows": [{"h": torch.ones(2)}]}, [{"prompt_token_ids": [1, 2], "token_ids": [7], "text": "x"}]
 
     def run(model, fn, requests, blocking=True):
         seen.append(("build", threading.current_thread().name, blocking))

@@ -23,7 +23,7 @@ from ..cluster.liveness import (ENGINE, MERGE, ActorRecord, DeathWatch, Deployme
                                 every, rank_records)
 from ..cluster.placement import NAMESPACE, PlacementPlan
 from ..engine.core import Report
-from ..merge.book import MergeBook, trace_saves
+from ..merge.book import MergeBook, request_summary, trace_saves
 from ..observe import metrics
 from ..observe.progress import Progress
 from ..observe.timeline import FETCH, HANDED, MERGED, Timeline, watch_gc, with_gc
@@ -148,12 +148,13 @@ class MergeActor:
 
         return Packed(state.ordered())
 
-    async def trace(self, group: str, size: int, presaved: set[str]) -> dict[str, Any]:
+    async def trace(self, group: str, size: int, presaved: set[str], outputs: bool = False) -> Any:
         """A non-blocking trace's ``{name: value}``; raises its intervention's error, typed.
 
         Raised here, the error reaches whoever ``ray.get``s the ref (the caller,
         or any task it was passed to) as Ray's task error, which is an instance
         of the intervention's exception type (``except ValueError`` works).
+        ``outputs``: ``({name: value}, [each invoke's request_summary])``.
         """
         self._ensure_sweeper()
         state = await self.book.wait(group, size)
@@ -162,7 +163,10 @@ class MergeActor:
             raise state.error
         from ..merge.payload import Packed
 
-        return Packed(trace_saves(state.ordered(), presaved))
+        saves = trace_saves(state.ordered(), presaved)
+        if outputs:
+            return Packed((saves, [request_summary(output) for output in state.ordered()]))
+        return Packed(saves)
 
     async def stats(self) -> dict[str, Any]:
         # gc_unfrozen: what a full collection here scans (a frozen startup heap leaves thousands, not 770k).

@@ -224,6 +224,15 @@ def merge_caches(entry: dict, request_id: str, payloads: list[Any]) -> None:
         saves[name] = type(view)(cache, view._envoy, view._path)
 
 
+def request_summary(output: Any) -> dict[str, Any]:
+    """What a caller reads of a finished request without a block waiting on ``tracer.result``: its prompt's
+    token ids and its first completion's token ids and text (vLLM's ``RequestOutput``)."""
+    completion = output.outputs[0] if output is not None and output.outputs else None
+    return {"prompt_token_ids": list(output.prompt_token_ids or []) if output is not None else [],
+            "token_ids": list(completion.token_ids) if completion is not None else [],
+            "text": completion.text if completion is not None else ""}
+
+
 def trace_saves(outputs: list[Any], presaved: set[str]) -> dict[str, Any]:
     """One trace's ``{name: value}``, as a blocking trace pushes it into the caller's frame.
 
