@@ -38,3 +38,15 @@ def test_one_rank_and_no_cache_are_untouched():
     plain = pickle.dumps({"r": {"saves": {"y": 1}, "error": None, "registered": {}, "sequences": {}}})
     output = merge_request(SimpleNamespace(outputs=[]), "r", [plain, plain])
     assert output.nnsight_saves == {"y": 1}
+
+
+def test_a_request_summary_is_its_prompt_ids_and_first_completion():
+    """What trace(outputs=True) hands the caller per invoke; a request without output (failed) is empty."""
+    from nnsight_ray._internal.merge.book import request_summary
+
+    completion = SimpleNamespace(token_ids=(7, 8), text="ab")
+    output = SimpleNamespace(prompt_token_ids=(1, 2, 3), outputs=[completion, SimpleNamespace(token_ids=(9,), text="c")])
+    assert request_summary(output) == {"prompt_token_ids": [1, 2, 3], "token_ids": [7, 8], "text": "ab"}
+    assert request_summary(None) == {"prompt_token_ids": [], "token_ids": [], "text": ""}
+    assert request_summary(SimpleNamespace(prompt_token_ids=None, outputs=[])) == {
+        "prompt_token_ids": [], "token_ids": [], "text": ""}
