@@ -200,6 +200,28 @@ def test_non_blocking_ref_resolves_here_and_in_a_task(rayvllm, hf):
     assert_close(got[0] + got[1], want, what="non-blocking collect")
 
 
+def test_outputs_come_home_with_raw_saves(rayvllm, hf):
+    """trace(blocking=False, outputs=True) on the GPU: raw saves equal transformers', and each invoke's
+    prompt ids, tokens and text equal what ``tracer.result`` reads in a blocking trace."""
+    with rayvllm.trace(temperature=0.0, max_tokens=3, blocking=False, outputs=True) as tracer:
+        hidden = nnsight.save([None, None])
+        for i, prompt in enumerate(PROMPTS):
+            with tracer.invoke(prompt):
+                hidden[i] = rayvllm.model.layers[2].output
+    values, outputs = tracer.collect()
+    with rayvllm.trace(temperature=0.0, max_tokens=3) as reference:
+        results = nnsight.save([None, None])
+        for i, prompt in enumerate(PROMPTS):
+            with reference.invoke(prompt):
+                result = reference.result
+                results[i] = (list(result.prompt_token_ids), list(result.outputs[0].token_ids), result.outputs[0].text)
+    assert [(o["prompt_token_ids"], o["token_ids"], o["text"]) for o in outputs] == list(results)
+    for i, prompt in enumerate(PROMPTS):
+        got = values["hidden"][i]
+        _on_caller("ray", got[0])
+        assert_close(got[0] + got[1], hf.run(prompt)["layers"][2], what=f"outputs=True invoke {i}")
+
+
 def test_async_stream_yields_every_step_and_raw_saves_on_the_last(rayvllm, hf):
     from nnsight_ray import RayVLLM
 
