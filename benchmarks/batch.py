@@ -17,6 +17,13 @@ stream and the logits, per prompt) for the same prompts:
   its rows under ``data/`` with Ray Data's checkpoint, as in any run. Its time
   includes the pipeline's own start (a client actor attaching; no engine starts).
 
+- ``data-own``: the command line's path as a run without ``--connect`` does it: the
+  Ray Data pipeline starts its own engine (``engine.replicas`` actors) and
+  stops it at the end; compare its steady rate (its whole run includes the
+  engine's start). ``data-own-1``: the same with one batch in flight per actor
+  (``runner.max_in_flight`` = ``prompts_per_trace``), where the engine runs in
+  the actor (a ``LocalVLLM``, nnsight's blocking trace, one at a time).
+
 - ``plain``: Ray Data LLM's own vLLM processor (``ray.data.llm``'s
   ``vLLMEngineProcessorConfig``, no interventions: tokens only) on the same
   prompts, engine settings, batch size and batches in flight, reading and
@@ -41,7 +48,7 @@ Usage::
 
     python -m benchmarks.batch [--prompts N] [--rounds R] [--chunk C] [--tp T] [--pp P]
                                   [--nodes K] [--replicas N] [--prompts-per-trace K] [--max-in-flight W]
-                                  [--methods local-loop,local-chunk,batch,data,plain] [--arch A]
+                                  [--methods local-loop,local-chunk,batch,data,data-own,plain] [--clients N] [--arch A]
                                   [--gpu-memory-utilization F] [--model-dir DIR] [--json PATH]
 
 On a GPU (the GPU host), engines take ``--gpu-memory-utilization`` each (the
@@ -124,7 +131,7 @@ def batch(engines, config_dict, out: Path, n: int) -> tuple[float, float | None]
     return result.prompts_per_s, steady(list(out.glob("shard-*.parquet")), n)
 
 
-def data(engines, config_dict, out: Path, n: int) -> tuple[float, float | None]:
+def data(engines, config_dict, out: Path, n: int, clients: int = 1) -> tuple[float, float | None]:
     import io
 
     from nnsight_ray.batch.config import validate
@@ -135,7 +142,7 @@ def data(engines, config_dict, out: Path, n: int) -> tuple[float, float | None]:
     config_dict = {**config_dict, "output": {"dir": str(out), "shard_size": 64}}
     prepared = prepare(validate(config_dict))  # the model's meta tree: before the clock, as run_batch's
     result = run_on_ray_data(prepared, stream=io.StringIO(), interactive=False,
-                             connect=[engine.name for engine in engines])
+                             connect=[engine.name for engine in engines] if engines else None, clients=clients)
     assert result.complete and result.prompts_run == n, result.summary()
     return result.prompts_run / result.run_s, steady(list((out / "data").glob("*.parquet")), n)
 
@@ -165,7 +172,45 @@ def plain(model_dir: str, engine_kwargs: dict, texts_path: Path, out: Path, n: i
     return n / seconds, steady(files, n)
 
 
-METHODS = ("local-loop", "local-chunk", "batch", "data", "plain")
+def spy_data(engines, config_dict, out: Path, n: int, clients: int, seconds: float, top: int,
+             spy_dir: str = "", binary: str = "") -> None:
+    """One more ``data`` run (``engines=None``: ``data-own``) with py-spy on every Ray process (the client
+    actors, Ray Data's workers, the engine, merge and rank actors) and this driver, for ``seconds`` from
+    its first written file (its steady part); each process's top frames are printed."""
+    import re
+    import subprocess
+    import threading
+
+    from benchmarks.gpu.diagnostics import engine_processes, spy_summary
+
+    binary = shutil.which("py-spy") or binary
+    if not binary or not Path(binary).exists():
+        print("[spy] no py-spy binary (pass --spy-bin)", flush=True)
+        return
+    where = Path(spy_dir or tempfile.mkdtemp(prefix="spy-batch-"))
+    where.mkdir(parents=True, exist_ok=True)
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(data(engines, config_dict, out, n, clients)), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 600
+    while not list((out / "data").glob("*.parquet")) and worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    spies = []
+    for pid, name in engine_processes().items():
+        raw = where / re.sub(r"[^A-Za-z0-9_.-]", "_", f"data-{name}-{pid}.txt")
+        spies.append((name, raw, subprocess.Popen(
+            [binary, "record", "-p", str(pid), "-o", str(raw), "-f", "raw", "-r", "250", "-d", str(int(seconds)),
+             "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+    worker.join()
+    for _, _, proc in spies:
+        proc.wait()
+    print(f"\nSPY data ({'own engine' if engines is None else f'{clients} client(s)'}): {done}", flush=True)
+    for name, raw, _ in spies:
+        if raw.exists() and raw.stat().st_size:
+            print(f"[{name}] {raw.name}\n{spy_summary(raw, top)}", flush=True)
+
+
+METHODS = ("local-loop", "local-chunk", "batch", "data", "data-own", "data-own-1", "plain")
 
 
 def main() -> int:
@@ -184,9 +229,16 @@ def main() -> int:
     parser.add_argument("--saves", choices=("all", "one"), default="all",
                         help="all: 4 layers' last-token residual + the logits; one: layer 1's (issue 51's form)")
     parser.add_argument("--arch", default=None, help="nnsight_ray.models arch (default: llama; llama-1b on a GPU)")
+    parser.add_argument("--clients", type=int, default=1, help="data: client actors attached to the engines")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.25, help="each engine's share (GPU)")
     parser.add_argument("--model-dir", help="checkpoint (built if missing); default a temp dir")
     parser.add_argument("--json", help="write the numbers here as JSON")
+    parser.add_argument("--spy", type=float, default=0, metavar="S",
+                        help="after the rounds, one more data run (data-own if data is not among --methods) "
+                             "with py-spy on every process for S seconds of its steady part")
+    parser.add_argument("--spy-dir", default="")
+    parser.add_argument("--spy-bin", default="")
+    parser.add_argument("--spy-top", type=int, default=20)
     args = parser.parse_args()
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -216,7 +268,8 @@ def main() -> int:
     config = {
         "model": {"path": model_dir},
         "engine": {"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp,
-                   "placement_strategy": "SPREAD", "engine_kwargs": engine_kwargs},
+                   "placement_strategy": "SPREAD", "engine_kwargs": engine_kwargs,
+                   **({"gpus_per_rank": args.gpu_memory_utilization} if on_gpu else {})},
         "prompts": {"path": str(work / "prompts.txt")},
         "saves": ([{"location": f"model.layers.{i}.output"} for i in range(4)] + [{"location": "logits"}]
                   if args.saves == "all" else [{"location": "model.layers.1.output"}]),
@@ -260,12 +313,16 @@ def main() -> int:
     tuning = prepared.config.runner
     in_flight = max(1, tuning.max_in_flight // tuning.prompts_per_trace)
     results: dict[str, list[float]] = {m: [] for m in methods}
-    steadies: dict[str, list[float]] = {m: [] for m in methods if m in ("batch", "data", "plain")}
+    steadies: dict[str, list[float]] = {m: [] for m in methods if m.startswith(("batch", "data", "plain"))}
     runs = {
         "local-loop": lambda r: (local_loop(local, texts, fn), None),
         "local-chunk": lambda r: (local_chunk(local, texts, fn, args.chunk), None),
         "batch": lambda r: batch(engines, config, work / f"out{r}", len(texts)),
-        "data": lambda r: data(engines, config, work / f"data{r}", len(texts)),
+        "data": lambda r: data(engines, config, work / f"data{r}", len(texts), args.clients),
+        "data-own": lambda r: data(None, config, work / f"own{r}", len(texts)),
+        "data-own-1": lambda r: data(None, {**config, "runner": {**config.get("runner", {}), "max_in_flight":
+                                                                 tuning.prompts_per_trace}},
+                                     work / f"own1-{r}", len(texts)),
         "plain": lambda r: plain(model_dir, engine_kwargs, work / "prompts.txt", work / f"plain{r}", len(texts),
                                  tuning.prompts_per_trace, in_flight, bundle),
     }
@@ -275,7 +332,7 @@ def main() -> int:
             local_loop(local, texts[:8], fn)
         batch(engines, config, work / "warm", len(texts))
         if "data" in methods:
-            data(engines, config, work / "warm-data", len(texts))
+            data(engines, config, work / "warm-data", len(texts), args.clients)
         for r in range(args.rounds):
             for method in list(methods):
                 try:
@@ -293,6 +350,9 @@ def main() -> int:
                     steadies[method].append(rate)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in results.items()) + " prompts/s; "
                   "steady " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in steadies.items() if v), flush=True)
+        if args.spy:
+            spy_data(engines if "data" in methods else None, config, work / "spy", len(texts), args.clients,
+                     args.spy, args.spy_top, args.spy_dir, args.spy_bin)
     finally:
         for engine in engines:
             engine.shutdown()
@@ -320,7 +380,8 @@ def main() -> int:
         ratio = best["batch"] / max(best.get("local-loop", 0), best.get("local-chunk", 0))
         print(f"batch / best local = {ratio:.2f}x")
     ratios = {}
-    for a, b in (("data", "batch"), ("data", "plain")):
+    for a, b in (("data", "batch"), ("data", "plain"), ("data-own", "batch"), ("data-own", "plain"),
+                 ("data-own-1", "batch")):
         if results.get(a) and results.get(b):
             ratios[f"{a}/{b}"] = statistics.median(x / y for x, y in zip(results[a], results[b]))
         if steadies.get(a) and steadies.get(b):

@@ -238,13 +238,13 @@ def _caster(id_field: str, activations: bool = False):
     return cast
 
 
-def processor_config(prepared: Prepared, connect: list[str] | None = None) -> NNsightEngineProcessorConfig:
+def processor_config(prepared: Prepared, connect: list[str] | None = None, clients: int = 1) -> NNsightEngineProcessorConfig:
     """The batch config's engine section and runner tuning, as ``nnsight_ray.data``'s processor config.
 
     An activation dataset: the processor's ``activations`` (into ``<output.dir>/activations``), a batch per
     block of ``output.shard_size`` prompts (one part of files), ``max_in_flight() / shard_size`` parts in flight.
-    ``connect``: running deployments by name instead of the engine section: one client actor attached to them
-    all, with at least a batch in flight per engine.
+    ``connect``: running deployments by name instead of the engine section: ``clients`` client actors, each
+    attached to them all, with at least a batch in flight per engine (``max_in_flight()`` split among them).
     """
     config = prepared.config
     engine, runner, output = config.engine, config.runner, config.output
@@ -265,13 +265,15 @@ def processor_config(prepared: Prepared, connect: list[str] | None = None) -> NN
                 intervention=str(Path(config.intervention).expanduser().resolve()) if config.intervention else None)
     if connect:
         return NNsightEngineProcessorConfig(model_source=prepared.model_path, engine_name=list(connect),
-                                            concurrency=1, max_concurrent_batches=max(len(connect), in_flight),
+                                            concurrency=(clients, clients),
+                                            max_concurrent_batches=max(len(connect), -(-in_flight // clients)),
                                             **work)
     return NNsightEngineProcessorConfig(
         model_source=prepared.model_path,
         engine_kwargs={**engine.engine_kwargs, **layout},
         placement_group_config={"bundle_per_worker": {"CPU": engine.cpus_per_rank, "GPU": gpus},
-                                "strategy": engine.placement_strategy} if layout or activations else None,
+                                "strategy": engine.placement_strategy} if layout or activations or in_flight > 1
+        else None,
         concurrency=(engine.replicas, engine.replicas),
         max_concurrent_batches=in_flight,
         num_cpus=engine.cpus_per_rank,
@@ -286,7 +288,7 @@ def _gpu_platform() -> bool:
     return current_platform.is_cuda_alike()
 
 
-def build_dataset(prepared: Prepared, connect: list[str] | None = None):
+def build_dataset(prepared: Prepared, connect: list[str] | None = None, clients: int = 1):
     """The whole pipeline up to the writer: prompts -> nnsight_ray.data's processor -> the shard format's rows."""
     config = prepared.config
     source = config.prompts
@@ -298,7 +300,7 @@ def build_dataset(prepared: Prepared, connect: list[str] | None = None):
     else:
         postprocess, empty = _row_encoder(id_field, text_field, names), _failed_values(names)
     processor = build_processor(
-        processor_config(prepared, connect),
+        processor_config(prepared, connect, clients),
         preprocess=lambda row: {"prompt": row[text_field], "sampling_params": dict(sampling)},
         postprocess=postprocess,
         builder_kwargs={"check": False},  # prepare() checked the engine arguments and the saves already
@@ -422,10 +424,12 @@ def _ticker(progress: Progress, checkpoint: Path, stop: threading.Event) -> None
 
 
 def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO | None = None,
-                    interactive: bool | None = None, connect: list[str] | None = None) -> DataRunResult:
+                    interactive: bool | None = None, connect: list[str] | None = None,
+                    clients: int = 1) -> DataRunResult:
     """Run ``prepared`` as a Ray Data pipeline into ``output.dir``; a rerun resumes by prompt id.
 
-    ``connect``: on these running ``RayVLLM`` deployments (by name), which keep running after."""
+    ``connect``: on these running ``RayVLLM`` deployments (by name), which keep running after, through
+    ``clients`` client actors."""
     from ray.data import DataContext
     from ray.data.checkpoint import CheckpointConfig
 
@@ -454,7 +458,7 @@ def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO
         ticker = threading.Thread(target=_ticker, args=(progress, checkpoint, stop), daemon=True)
         ticker.start()
         try:
-            build_dataset(prepared, connect).write_parquet(str(folder / DATA_DIR), min_rows_per_file=config.output.shard_size)
+            build_dataset(prepared, connect, clients).write_parquet(str(folder / DATA_DIR), min_rows_per_file=config.output.shard_size)
         except Exception as error:  # an engine that kept dying, a worker lost beyond Ray Data's retries
             failure = f"{type(error).__name__}: {str(error)[:2000]}"
             logger.error("the Ray Data pipeline failed: %s", failure)

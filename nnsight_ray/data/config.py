@@ -37,10 +37,11 @@ __all__ = ["ActivationSpec", "NNsightEngineProcessorConfig", "SaveSpec"]
 # Engine arguments this stage owns, with where the choice is made instead.
 _RESERVED_ENGINE_KWARGS = {
     "model": "model_source",
-    "distributed_executor_backend": "(nnsight_ray chooses: in-process at TP x PP = 1, its rank actors above)",
+    "distributed_executor_backend": "(nnsight_ray chooses: in the actor for one batch at a time at TP x PP = 1, "
+                                    "its rank actors otherwise)",
     "placement_strategy": "placement_group_config's 'strategy'",
-    "cpus_per_rank": "num_cpus, or placement_group_config's bundles at TP x PP > 1",
-    "gpus_per_rank": "num_gpus, or placement_group_config's bundles at TP x PP > 1",
+    "cpus_per_rank": "num_cpus, or placement_group_config's bundles with rank actors",
+    "gpus_per_rank": "num_gpus, or placement_group_config's bundles with rank actors",
     "placement_group": "placement_group_config (each engine actor reserves its own group)",
     "placement_group_id": "placement_group_config (each engine actor reserves its own group)",
     "name": "(each engine actor names its own engine)",
@@ -126,11 +127,11 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
     )
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine actor.")
     num_gpus: float | None = Field(
-        None, ge=0, description="GPUs Ray reserves for each engine actor (each rank at TP x PP > 1); "
+        None, ge=0, description="GPUs Ray reserves for each engine actor (each rank, with rank actors); "
         "default 1 with accelerator_type, else 0."
     )
     placement_group_config: dict[str, Any] | None = Field(
-        None, description="TP x PP > 1 or activations: each engine's placement group, as Ray Data LLM's vLLM "
+        None, description="Rank actors only (see rank_actors): each engine's placement group, as Ray Data LLM's vLLM "
         "config takes it: "
         "{'bundle_per_worker': {...}} (one per rank) or {'bundles': [...]}, and 'strategy' (default PACK). "
         "Default: one bundle of 1 CPU and num_gpus GPUs per rank."
@@ -223,8 +224,9 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
                                  "started with its own settings and placement; leave these out")
         elif not self.rank_actors:
             if self.placement_group_config is not None:
-                raise ValueError("placement_group_config: for engines of TP x PP > 1 (or activation datasets) only; "
-                                 "an engine of one rank runs in its actor, which num_cpus and num_gpus size")
+                raise ValueError("placement_group_config: for engines of rank actors only (TP x PP > 1, activation "
+                                 "datasets, or max_concurrent_batches > 1); an engine of one rank taking one batch at "
+                                 "a time runs in its actor, which num_cpus and num_gpus size")
         else:
             bundles, _ = self.rank_bundles()
             if not any(bundle.get("CPU", 0.0) >= self.num_cpus for bundle in bundles):
@@ -239,7 +241,7 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
         return [spec.location for spec in self.saves or []]
 
     def gpus(self) -> float:
-        """GPUs per engine actor (per rank at TP x PP > 1): as set; else 1 with an ``accelerator_type``, 0 without."""
+        """GPUs per engine actor (per rank with rank actors): as set; else 1 with an ``accelerator_type``, 0 without."""
         if self.num_gpus is not None:
             return self.num_gpus
         return 1.0 if self.accelerator_type else 0.0
@@ -247,9 +249,12 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
     @property
     def rank_actors(self) -> bool:
         """Whether each engine is a ``RayVLLM`` whose ranks are actors in the engine actor's placement group:
-        at TP x PP > 1, and for activation datasets (only rank actors write their files) at any layout.
-        A connected engine (``engine_name``) is placed already: its actors take no group."""
-        return self.engine_name is None and (self.world_size > 1 or self.activations is not None)
+        at TP x PP > 1; for activation datasets (only rank actors write their files); and whenever an actor
+        takes several batches at once (``max_concurrent_batches > 1``, the default 8), because a ``RayVLLM``
+        runs their traces together in its engine while an engine in the actor (nnsight's blocking trace) runs
+        one trace at a time. A connected engine (``engine_name``) is placed already: its actors take no group."""
+        return self.engine_name is None and (self.world_size > 1 or self.activations is not None
+                                             or self.max_concurrent_batches > 1)
 
     @property
     def engine_names(self) -> list[str] | None:

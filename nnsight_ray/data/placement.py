@@ -1,5 +1,5 @@
-"""Rank actors (TP x PP > 1, or an activation dataset): one placement group per engine actor, shared by the actor and
-its engine's ranks.
+"""Rank actors (TP x PP > 1, an activation dataset, or several batches in flight per actor): one placement group per
+engine actor, shared by the actor and its engine's ranks.
 
 As Ray Data LLM's vLLM stage does it (``vllm_engine_stage._ray_scheduling_strategy_fn``):
 the engine stage's ``ray_remote_args_fn`` (``EngineGroups``), which Ray Data

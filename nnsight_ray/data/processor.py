@@ -7,9 +7,9 @@ for ``NNsightEngineProcessorConfig``, so Ray's own ``build_processor`` builds
 it. ``nnsight_ray.data.build_processor`` is the same call without the registry.
 
 The processor is Ray Data LLM's ``Processor``: preprocess (a ``map``), the
-engine stage (``map_batches`` on an actor pool; at TP x PP > 1, and for an
-activation dataset at any layout, each actor in a placement group of its own,
-see ``placement``), postprocess (a ``map``; the
+engine stage (``map_batches`` on an actor pool; with rank actors, which is at
+TP x PP > 1, for an activation dataset, and whenever an actor takes several
+batches at once, each actor in a placement group of its own, see ``placement``), postprocess (a ``map``; the
 saved values reach it as ndarrays). Before anything is built, a preflight as
 the batch runner's (``batch.preflight``, ``batch.interventions``): vLLM's
 engine argument names, each save location on nnsight's meta tree of the model,
@@ -66,7 +66,7 @@ def preflight(config: NNsightEngineProcessorConfig) -> None:
 def stage_map_kwargs(config: NNsightEngineProcessorConfig) -> dict[str, Any]:
     """``map_batches`` arguments of the engine stage, as Ray Data LLM's vLLM processor sets them.
 
-    With rank actors (TP x PP > 1, or an activation dataset), as its vLLM
+    With rank actors (``config.rank_actors``), as its vLLM
     stage does with the Ray executor: the actor reserves no GPU itself
     (``num_gpus=0``), and ``ray_remote_args_fn`` places each actor in a
     placement group of its own, which its engine's ranks then take

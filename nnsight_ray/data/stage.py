@@ -204,7 +204,7 @@ class NNsightEngineStageUDF(StatefulStageUDF):
             if not same_model(served, model_source):
                 raise ValueError(f"engine {name!r} serves {served!r}, not model_source {model_source!r}; "
                                  "give the model it serves")
-        elif placement is not None:  # TP x PP > 1: ranks in this actor's placement group
+        elif placement is not None:  # rank actors: ranks in this actor's placement group
             model = start_engine(model_source, engine_kwargs, placement)
         else:
             model = LocalVLLM(model_source, dispatch=True, **engine_kwargs)

@@ -24,7 +24,8 @@ def config(tmp_path, **sections):
 
 
 def test_connect_runs_on_the_named_engines_with_a_batch_in_flight_on_each(tmp_path):
-    """--connect: the processor attaches to the deployments (no engine section, no group), one client actor."""
+    """--connect: the processor attaches to the deployments (no engine section, no group), one client actor
+    unless asked for more (the batches in flight split among them)."""
     from types import SimpleNamespace
 
     from nnsight_ray.batch.pipeline import processor_config
@@ -33,8 +34,10 @@ def test_connect_runs_on_the_named_engines_with_a_batch_in_flight_on_each(tmp_pa
         made = processor_config(SimpleNamespace(model_path="/m", config=config(
             tmp_path, engine={"tensor_parallel_size": 2, "replicas": 3}, output=output)), ["a", "b", "c"])
         assert made.engine_names == ["a", "b", "c"] and made.engine_kwargs == {} and not made.rank_actors
-        assert made.concurrency == 1 and made.max_concurrent_batches >= 3 and made.placement_group_config is None
+        assert made.concurrency == (1, 1) and made.max_concurrent_batches >= 3 and made.placement_group_config is None
         assert (made.activations is not None) == bool(output) and made.model_source == "/m"
+    made = processor_config(SimpleNamespace(model_path="/m", config=config(tmp_path)), ["a"], clients=2)
+    assert made.concurrency == (2, 2) and made.max_concurrent_batches == 4  # 256 in flight / 32 a batch / 2
 
 
 def test_prompt_sources_local_or_any_uri_with_a_format():
@@ -102,14 +105,18 @@ def test_the_output_is_counted_from_the_files(tmp_path):
 
 
 def test_the_engine_layout_becomes_the_processors(tmp_path):
-    """TP x PP > 1: the layout in engine_kwargs, a placement group per engine actor with a bundle per rank."""
+    """The layout in engine_kwargs, a placement group per engine actor with a bundle per rank (at TP=1 too, with
+    several batches in flight: rank actors); one batch in flight at TP=1: the engine in the actor."""
     from types import SimpleNamespace
 
     from nnsight_ray.batch.pipeline import processor_config
 
     one = processor_config(SimpleNamespace(config=config(tmp_path, engine={"replicas": 2}), model_path="/m"))
-    assert one.placement_group_config is None and "tensor_parallel_size" not in one.engine_kwargs
+    assert one.rank_actors and one.rank_bundles() == ([{"CPU": 1.0}], "PACK")
+    assert "tensor_parallel_size" not in one.engine_kwargs and one.max_concurrent_batches == 8
     assert one.concurrency == (2, 2) and one.batch_size == 32 and one.model_source == "/m"
+    serial = processor_config(SimpleNamespace(model_path="/m", config=config(tmp_path, runner={"max_in_flight": 32})))
+    assert serial.max_concurrent_batches == 1 and not serial.rank_actors and serial.placement_group_config is None
     four = processor_config(SimpleNamespace(model_path="/m", config=config(
         tmp_path, engine={"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "placement_strategy": "SPREAD"})))
     assert four.engine_kwargs["tensor_parallel_size"] == 2 and four.engine_kwargs["pipeline_parallel_size"] == 2

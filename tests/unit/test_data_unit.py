@@ -50,7 +50,8 @@ def test_config_takes_ray_data_llm_fields_and_saves():
      "1 bundles for tensor_parallel_size x pipeline_parallel_size = 2"),
     ({"engine_kwargs": {"tensor_parallel_size": 2}, "placement_group_config": {"strategy": "PACK"}},
      "bundle_per_worker"),
-    ({"placement_group_config": {"bundle_per_worker": {"CPU": 1}}}, "for engines of TP x PP > 1 (or activation datasets) only"),
+    ({"placement_group_config": {"bundle_per_worker": {"CPU": 1}}, "max_concurrent_batches": 1},
+     "for engines of rank actors only"),
     ({"engine_kwargs": {"model": "other"}}, "use model_source"),
     ({"chat_template_stage": True}, "chat_template_stage: not supported"),
     ({"tokenize_stage": {"enabled": True}}, "tokenize_stage: not supported"),
@@ -185,7 +186,8 @@ def test_a_parallel_engine_places_each_actor_in_a_group_of_its_ranks(kwargs, bun
     assert got["num_gpus"] == 0 and got["num_cpus"] == 1
     assert got["ray_remote_args_fn"] == EngineGroups(bundles, strategy)
     assert got["fn_constructor_kwargs"]["placement"] == placement
-    single = build_processor(config(), builder_kwargs={"check": False}).get_stage_by_name("NNsightEngineStage")
+    single = build_processor(config(max_concurrent_batches=1), builder_kwargs={"check": False}) \
+        .get_stage_by_name("NNsightEngineStage")
     assert "ray_remote_args_fn" not in single.map_batches_kwargs and single.fn_constructor_kwargs["placement"] is None
 
 
@@ -333,11 +335,25 @@ def test_an_engine_failure_is_fatal_and_a_request_failure_is_not():
 ACTS = {"dir": "/tmp/acts", "locations": ["model.layers.1.output"]}
 
 
+def test_several_batches_in_flight_need_rank_actors_one_at_a_time_runs_in_the_actor():
+    """nnsight's blocking trace on an engine in the actor runs one trace at a time: with several batches in
+    flight an actor's engine is a RayVLLM (ranks in its group), whose traces run together."""
+    assert config().max_concurrent_batches == 8 and config().rank_actors
+    assert config(max_concurrent_batches=2).rank_actors and not config(max_concurrent_batches=1).rank_actors
+    assert not config(engine_name="tp1").rank_actors  # a connected engine is placed already
+    kwargs = build_processor(config(), builder_kwargs={"check": False}).get_stage_by_name("NNsightEngineStage") \
+        .get_dataset_map_batches_kwargs(batch_size=4, data_column="__data")
+    assert kwargs["num_gpus"] == 0 and "ray_remote_args_fn" in kwargs
+    serial = build_processor(config(max_concurrent_batches=1), builder_kwargs={"check": False}) \
+        .get_stage_by_name("NNsightEngineStage").get_dataset_map_batches_kwargs(batch_size=4, data_column="__data")
+    assert "ray_remote_args_fn" not in serial
+
+
 def test_activations_are_a_mode_of_their_own_with_rank_actors_at_any_layout():
     made = config(saves=None, activations=ACTS, placement_group_config={"bundle_per_worker": {"CPU": 2}})
     assert made.activations.dtype == "auto" and not made.activations.generated and made.rank_actors
     assert made.world_size == 1 and made.rank_bundles() == ([{"CPU": 2.0}], "PACK")
-    assert not config().rank_actors
+    assert not config(max_concurrent_batches=1).rank_actors
     assert config(saves=None, activations={**ACTS, "dir": "rel/acts"}).activations.dir.endswith("/rel/acts")
     engine = build_processor(config(saves=None, activations=ACTS), builder_kwargs={"check": False}) \
         .get_stage_by_name("NNsightEngineStage")
