@@ -108,6 +108,33 @@ def local_chunk(model, texts, fn, chunk: int) -> float:
     return len(texts) / (time.perf_counter() - start)
 
 
+class PeakRSS:
+    """The driver's peak resident memory (MB) while the block runs, sampled every 50 ms, and its rise over the
+    memory at the block's start (the process keeps what earlier methods took)."""
+
+    def __enter__(self) -> "PeakRSS":
+        import threading
+
+        import psutil
+
+        self.peak, self._stop, process = 0.0, threading.Event(), psutil.Process()
+        self.start = process.memory_info().rss / 1e6
+
+        def sample() -> None:
+            while True:
+                self.peak = max(self.peak, process.memory_info().rss / 1e6)
+                if self._stop.wait(0.05):
+                    return
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def steady(files: list[Path], n: int) -> float | None:
     """Prompts/s from the first written file to the last (by mtime), the first file's prompts excluded."""
     import pyarrow.parquet as pq
@@ -170,6 +197,12 @@ def plain(model_dir: str, engine_kwargs: dict, texts_path: Path, out: Path, n: i
 
     assert sum(pq.read_metadata(path).num_rows for path in files) == n
     return n / seconds, steady(files, n)
+
+
+def prepared_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def spy_data(engines, config_dict, out: Path, n: int, clients: int, seconds: float, top: int,
@@ -313,6 +346,10 @@ def main() -> int:
     tuning = prepared.config.runner
     in_flight = max(1, tuning.max_in_flight // tuning.prompts_per_trace)
     results: dict[str, list[float]] = {m: [] for m in methods}
+    peaks: dict[str, list[float]] = {m: [] for m in methods}
+    rises: dict[str, list[float]] = {m: [] for m in methods}
+    # Tokens a prompt costs the engine: its prompt tokens and the one generated token (max_tokens=1).
+    tokens_per_prompt = (sum(len(ids) for ids in prepared_tokenizer(model_dir)(texts)["input_ids"]) / len(texts)) + 1
     steadies: dict[str, list[float]] = {m: [] for m in methods if m.startswith(("batch", "data", "plain"))}
     runs = {
         "local-loop": lambda r: (local_loop(local, texts, fn), None),
@@ -336,7 +373,10 @@ def main() -> int:
         for r in range(args.rounds):
             for method in list(methods):
                 try:
-                    whole, rate = runs[method](r)
+                    with PeakRSS() as memory:
+                        whole, rate = runs[method](r)
+                    peaks[method].append(memory.peak)
+                    rises[method].append(memory.peak - memory.start)
                 except Exception as error:  # the plain processor may not start on this host: report, go on
                     if method != "plain":
                         raise
@@ -344,6 +384,8 @@ def main() -> int:
                     methods.remove(method)
                     results.pop(method)
                     steadies.pop(method)
+                    peaks.pop(method)
+                    rises.pop(method)
                     continue
                 results[method].append(whole)
                 if method in steadies and rate is not None:
@@ -372,9 +414,14 @@ def main() -> int:
     print(f"{args.prompts} prompts, {arch}, {saved} per prompt, {layout}, {args.rounds} rounds")
     print(f"engine start: LocalVLLM {local_start:.1f} s, RayVLLM {ray_start:.1f} s (excluded; plain's is included "
           "in its whole-run rate)")
-    print(f"{'method':<12} {'best':>8} {'median':>8} {'steady':>8}  prompts/s")
+    print(f"{tokens_per_prompt:.1f} tokens a prompt (prompt + generated); driver peak RSS per method")
+    print(f"{'method':<12} {'best':>8} {'median':>8} {'steady':>8} prompts/s | {'median':>9} {'steady':>9} tokens/s"
+          f" | driver peak MB (rise)")
     for key in results:
-        print(f"{key:<12} {best[key]:>8.1f} {median[key]:>8.1f} {steady_median.get(key, float('nan')):>8.1f}")
+        rate = steady_median.get(key, float("nan"))
+        print(f"{key:<12} {best[key]:>8.1f} {median[key]:>8.1f} {rate:>8.1f}           | "
+              f"{median[key] * tokens_per_prompt:>9.0f} {rate * tokens_per_prompt:>9.0f}          | "
+              f"{max(peaks[key]):>6.0f} ({max(rises[key]):+.0f})")
     ratio = None
     if local is not None and "batch" in best:
         ratio = best["batch"] / max(best.get("local-loop", 0), best.get("local-chunk", 0))
@@ -393,6 +440,7 @@ def main() -> int:
                                                "layout": layout,
                                                "rounds": results, "steady": steadies, "best": best,
                                                "median": median, "steady_median": steady_median,
+                                               "tokens_per_prompt": tokens_per_prompt, "driver_peak_mb": peaks, "driver_rise_mb": rises,
                                                "batch_over_local": ratio, "ratios": ratios}, indent=2))
     shutil.rmtree(work, ignore_errors=True)
     return 0
