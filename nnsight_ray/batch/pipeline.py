@@ -48,6 +48,7 @@ from ray.data.datasource import Datasource, ReadTask
 
 from ..data import NNsightEngineProcessorConfig, build_processor
 from ..data.columns import ERROR, OUTPUT_COLUMNS
+from ..data.config import needs_rank_actors
 from .config import PromptsConfig
 from .errors import BatchConfigError, BatchRunError
 from .preflight import Prepared
@@ -272,8 +273,8 @@ def processor_config(prepared: Prepared, connect: list[str] | None = None, clien
         model_source=prepared.model_path,
         engine_kwargs={**engine.engine_kwargs, **layout},
         placement_group_config={"bundle_per_worker": {"CPU": engine.cpus_per_rank, "GPU": gpus},
-                                "strategy": engine.placement_strategy} if layout or activations or in_flight > 1
-        else None,
+                                "strategy": engine.placement_strategy}
+        if needs_rank_actors(engine.world_size, activations is not None, in_flight) else None,
         concurrency=(engine.replicas, engine.replicas),
         max_concurrent_batches=in_flight,
         num_cpus=engine.cpus_per_rank,

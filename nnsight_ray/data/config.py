@@ -92,6 +92,13 @@ class ActivationSpec(BaseModel):
         return checked
 
 
+def needs_rank_actors(world_size: int, activations: bool, batches_in_flight: int) -> bool:
+    """Whether an engine a Ray Data actor starts is a ``RayVLLM`` of rank actors in the actor's placement group
+    (see ``NNsightEngineProcessorConfig.rank_actors``): several ranks, an activation dataset, or several batches
+    in flight on one actor."""
+    return world_size > 1 or activations or batches_in_flight > 1
+
+
 class NNsightEngineProcessorConfig(OfflineProcessorConfig):
     """Ray Data LLM's vLLM processor config, plus the saves or the intervention each row runs.
 
@@ -253,8 +260,8 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
         takes several batches at once (``max_concurrent_batches > 1``, the default 8), because a ``RayVLLM``
         runs their traces together in its engine while an engine in the actor (nnsight's blocking trace) runs
         one trace at a time. A connected engine (``engine_name``) is placed already: its actors take no group."""
-        return self.engine_name is None and (self.world_size > 1 or self.activations is not None
-                                             or self.max_concurrent_batches > 1)
+        return self.engine_name is None and needs_rank_actors(self.world_size, self.activations is not None,
+                                                              self.max_concurrent_batches)
 
     @property
     def engine_names(self) -> list[str] | None:

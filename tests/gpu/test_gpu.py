@@ -18,6 +18,8 @@ import nnsight
 import pytest
 import ray
 
+from reference import assert_outputs_as_results
+
 from .conftest import ON_GPU, TOL, assert_close
 
 PROMPTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog."]
@@ -209,13 +211,7 @@ def test_outputs_come_home_with_raw_saves(rayvllm, hf):
             with tracer.invoke(prompt):
                 hidden[i] = rayvllm.model.layers[2].output
     values, outputs = tracer.collect()
-    with rayvllm.trace(temperature=0.0, max_tokens=3) as reference:
-        results = nnsight.save([None, None])
-        for i, prompt in enumerate(PROMPTS):
-            with reference.invoke(prompt):
-                result = reference.result
-                results[i] = (list(result.prompt_token_ids), list(result.outputs[0].token_ids), result.outputs[0].text)
-    assert [(o["prompt_token_ids"], o["token_ids"], o["text"]) for o in outputs] == list(results)
+    assert_outputs_as_results(outputs, rayvllm, PROMPTS, temperature=0.0, max_tokens=3)
     for i, prompt in enumerate(PROMPTS):
         got = values["hidden"][i]
         _on_caller("ray", got[0])

@@ -9,9 +9,10 @@ Data, the real vLLM CPU engine on the session's Ray cluster, values against nnsi
   prompt is in the output exactly once (counted here from the files, not from the run's own report);
 - a third run of the finished folder starts no engine and writes nothing.
 
-The kill and the ``.txt`` runs attach to the session's deployments (``--connect tp1`` / ``tp2``); the TP=2 run
-starts its own engine (a placement group per engine actor). Every subprocess is bounded (``timeout``), and so is
-the wait for the kill point.
+The kill and the ``.txt`` runs attach to the session's deployments (``--connect tp1`` / ``tp2``). The command's
+own engines are run by ``test_batch.py`` (the documented command, ``ray job submit``); at TP=2 and PP=2 the same
+processor runs in ``test_data_parallel.py``, and the CLI's layout -> processor config is a unit test
+(``test_batch_pipeline.py``). Every subprocess is bounded (``timeout``), and so is the wait for the kill point.
 """
 
 from __future__ import annotations
@@ -273,26 +274,3 @@ def pq_ids(path: Path) -> list[str]:
 
 def committed_ids(folder: Path) -> int:
     return sum(len(pq_ids(p)) for p in committed(folder))
-
-
-def test_tensor_parallel_engines_through_the_cli(ray_cluster, local_llama, model_dir, tmp_path):
-    """``engine.tensor_parallel_size: 2`` on the Ray Data path (a RayVLLM per actor, its ranks in a placement
-    group on two raylets): every row equals the in-process engine's."""
-    prompts = ["Hello, world!", "The capital of France is", "1 2 3 4 5", "Hi", "abc def ghi jkl"]
-    (tmp_path / "prompts.jsonl").write_text(
-        "".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
-    out = tmp_path / "out"
-    config = {"model": {"path": model_dir}, "engine": {"tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD",
-                                                       "engine_kwargs": dict(ENGINE_KWARGS)},
-              "prompts": {"path": str(tmp_path / "prompts.jsonl")}, "saves": SAVES,
-              "output": {"dir": str(out), "shard_size": 3}}
-    command, env = cli(config, tmp_path, ray_cluster.address)
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "5 prompts run, 0 already done, 0 errors" in done.stdout and "on Ray Data" in done.stdout
-    rows = written(out)
-    assert sorted(r["id"] for r in rows) == [f"q{i}" for i in range(5)]
-    for row in rows:
-        want = reference(local_llama, row["prompt"])
-        for name in ("logits", "model.layers.1.output", "model.layers.3.output"):
-            assert_close(value(row, name), want[name])

@@ -18,6 +18,7 @@ import ray
 import torch
 
 from conftest import ENGINE_KWARGS, assert_close, layer_and_logits, multi_invoke, request_counts
+from reference import assert_outputs_as_results
 
 pytestmark = pytest.mark.integration
 
@@ -72,13 +73,7 @@ def test_outputs_come_home_with_the_values_without_a_block_waiting_on_the_result
             with tracer.invoke(prompt):
                 hidden[i] = ray_tp1.model.layers[2].output[0].clone()
     values, outputs = tracer.collect()
-    with ray_tp1.trace(temperature=0.0, max_tokens=4) as reference:
-        results = nnsight.save([None, None])
-        for i, prompt in enumerate(prompts):
-            with reference.invoke(prompt):
-                result = reference.result
-                results[i] = (list(result.prompt_token_ids), list(result.outputs[0].token_ids), result.outputs[0].text)
-    assert [(o["prompt_token_ids"], o["token_ids"], o["text"]) for o in outputs] == list(results)
+    assert_outputs_as_results(outputs, ray_tp1, prompts, temperature=0.0, max_tokens=4)
     for i, prompt in enumerate(prompts):
         want, _ = layer_and_logits(local_llama, prompt)
         assert_close(values["hidden"][i], want)
