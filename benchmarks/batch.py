@@ -30,6 +30,13 @@ stream and the logits, per prompt) for the same prompts:
   writing as ``data`` does. It starts its own engine in its actor, so its
   whole-run time includes an engine start; compare its steady rate.
 
+For ``data`` and ``data-own`` the engine stage's metrics (``docs/metrics.md``,
+read from Ray's export ports before and after each run) give where a batch's
+time went: mean seconds per batch ``queued`` (waiting for the actor's tracing
+thread), ``build`` (the trace built and sent), ``engine`` (sent -> values and
+outputs back), ``rows`` and ``total``, and the batches in flight on average
+over the steady part (total batch-seconds x steady rate / prompts).
+
 Besides the whole run's prompts/s, ``batch``, ``data`` and ``plain`` get a
 **steady** rate from the times their output files were written (prompts after
 the first file / time from the first file to the last): what a long run
@@ -73,6 +80,30 @@ import time
 from pathlib import Path
 
 KV_BYTES = 64 << 20
+PHASES = ("queued", "build", "engine", "rows", "total")
+#: Per data run (by output folder): the stage's mean seconds per batch by phase, and batches.
+STAGE: dict[str, dict[str, float]] = {}
+
+
+def stage_phases(before: list, batches: int, seconds: float = 30) -> dict[str, float]:
+    """The engine stage's batches since ``before`` (a scrape of the export ports): mean seconds per phase and their
+    count, once Ray has flushed at least ``batches`` of them (or after ``seconds``)."""
+    from nnsight_ray._internal.observe.metrics import exported_samples, sample_sum
+
+    name = "ray_nnsight_data_batch_seconds"
+    deadline = time.monotonic() + seconds
+    while True:
+        now = exported_samples()
+        count = {p: sample_sum(now, f"{name}_count", phase=p) - sample_sum(before, f"{name}_count", phase=p)
+                 for p in PHASES}
+        if count["total"] >= batches or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    out = {p: (sample_sum(now, f"{name}_sum", phase=p) - sample_sum(before, f"{name}_sum", phase=p)) / count[p]
+           for p in PHASES if count[p]}
+    out["batches"] = count["total"]
+    out["batch_seconds"] = out.get("total", 0.0) * count["total"]
+    return out
 
 
 def prompts(n: int) -> list[str]:
@@ -165,13 +196,20 @@ def data(engines, config_dict, out: Path, n: int, clients: int = 1) -> tuple[flo
     from nnsight_ray.batch.pipeline import run_on_ray_data
     from nnsight_ray.batch.preflight import prepare
 
+    from nnsight_ray._internal.observe.metrics import exported_samples
+
     shutil.rmtree(out, ignore_errors=True)
     config_dict = {**config_dict, "output": {"dir": str(out), "shard_size": 64}}
     prepared = prepare(validate(config_dict))  # the model's meta tree: before the clock, as run_batch's
+    before = exported_samples()
     result = run_on_ray_data(prepared, stream=io.StringIO(), interactive=False,
                              connect=[engine.name for engine in engines] if engines else None, clients=clients)
     assert result.complete and result.prompts_run == n, result.summary()
-    return result.prompts_run / result.run_s, steady(list((out / "data").glob("*.parquet")), n)
+    rate = steady(list((out / "data").glob("*.parquet")), n)
+    STAGE[out.name] = phases = stage_phases(before, -(-n // prepared.config.runner.prompts_per_trace))
+    if rate:
+        phases["in_flight"] = phases["batch_seconds"] * rate / n
+    return result.prompts_run / result.run_s, rate
 
 
 def plain(model_dir: str, engine_kwargs: dict, texts_path: Path, out: Path, n: int, batch_size: int,
@@ -347,6 +385,7 @@ def main() -> int:
     in_flight = max(1, tuning.max_in_flight // tuning.prompts_per_trace)
     results: dict[str, list[float]] = {m: [] for m in methods}
     peaks: dict[str, list[float]] = {m: [] for m in methods}
+    stage: dict[str, list[dict[str, float]]] = {m: [] for m in methods if m.startswith("data")}
     rises: dict[str, list[float]] = {m: [] for m in methods}
     # Tokens a prompt costs the engine: its prompt tokens and the one generated token (max_tokens=1).
     tokens_per_prompt = (sum(len(ids) for ids in prepared_tokenizer(model_dir)(texts)["input_ids"]) / len(texts)) + 1
@@ -373,6 +412,7 @@ def main() -> int:
         for r in range(args.rounds):
             for method in list(methods):
                 try:
+                    STAGE.clear()
                     with PeakRSS() as memory:
                         whole, rate = runs[method](r)
                     peaks[method].append(memory.peak)
@@ -388,6 +428,8 @@ def main() -> int:
                     rises.pop(method)
                     continue
                 results[method].append(whole)
+                if method in stage and STAGE:
+                    stage[method].append(STAGE.popitem()[1])
                 if method in steadies and rate is not None:
                     steadies[method].append(rate)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in results.items()) + " prompts/s; "
@@ -422,6 +464,14 @@ def main() -> int:
         print(f"{key:<12} {best[key]:>8.1f} {median[key]:>8.1f} {rate:>8.1f}           | "
               f"{median[key] * tokens_per_prompt:>9.0f} {rate * tokens_per_prompt:>9.0f}          | "
               f"{max(peaks[key]):>6.0f} ({max(rises[key]):+.0f})")
+    if any(stage.values()):
+        print("engine stage per batch, medians over rounds: mean seconds by phase; batches in flight (steady)")
+        for key, runs_ in stage.items():
+            if runs_:
+                cells = ", ".join(f"{p} {statistics.median(r.get(p, float('nan')) for r in runs_) * 1e3:.1f} ms"
+                                  for p in PHASES)
+                flight = [r["in_flight"] for r in runs_ if "in_flight" in r]
+                print(f"  {key:<10} {cells}; {statistics.median(flight) if flight else float('nan'):.2f} in flight")
     ratio = None
     if local is not None and "batch" in best:
         ratio = best["batch"] / max(best.get("local-loop", 0), best.get("local-chunk", 0))
@@ -441,7 +491,7 @@ def main() -> int:
                                                "rounds": results, "steady": steadies, "best": best,
                                                "median": median, "steady_median": steady_median,
                                                "tokens_per_prompt": tokens_per_prompt, "driver_peak_mb": peaks, "driver_rise_mb": rises,
-                                               "batch_over_local": ratio, "ratios": ratios}, indent=2))
+                                               "batch_over_local": ratio, "ratios": ratios, "stage": stage}, indent=2))
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -42,6 +42,10 @@ row's ``__inference_error__`` (``"<Type>: <message>"``) when
 engine that died (vLLM's ``EngineDeadError``) ends the actor, as Ray Data
 LLM's vLLM stage does, so Ray Data restarts it and retries the batch on a
 live engine.
+
+Metrics (``docs/metrics.md``): rows by outcome and error type, each batch's
+phases (queued, build, engine, rows, total) and the batches in flight, per
+engine, through ``ray.util.metrics``.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ray.llm._internal.batch.stages.base import StatefulStage, StatefulStageUDF
 
+from .._internal.observe import metrics
 from .columns import ACTIVATION_COLUMNS, activation_row, describe_error, failure_row, request, success_row
 
 logger = logging.getLogger(__name__)
@@ -106,6 +111,13 @@ def trace_rows(tracer: Any) -> list[tuple]:
             for values, out in zip(saves["rows"], outputs)]
 
 
+def _timed(fn: Callable, *args: Any) -> tuple[float, float, Any]:
+    """``fn(*args)`` with the ``perf_counter`` it started and ended at (on the thread it ran on)."""
+    started = time.perf_counter()
+    value = fn(*args)
+    return started, time.perf_counter(), value
+
+
 def extract_sampling(sampling: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     """A row's ``sampling_params`` as an activation request takes them (``EXTRACT_SAMPLING``), as a hashable key.
 
@@ -130,13 +142,15 @@ def is_fatal(error: BaseException) -> bool:
 @dataclass
 class Engine:
     """One engine of an actor: the client, the thread every trace on it runs on (the one that built it), what each
-    invoke calls, whether the actor started it (and so stops it), and the actor's batches on it now."""
+    invoke calls, whether the actor started it (and so stops it), and the actor's batches on it now; ``name`` tags
+    its metrics (a deployment's name; ``in-actor`` for an engine in the actor)."""
 
     model: Any
     thread: ThreadPoolExecutor
     fn: Callable | None
     owned: bool
     in_flight: int = 0
+    name: str = "in-actor"
 
     @property
     def sends(self) -> bool:
@@ -184,7 +198,8 @@ class NNsightEngineStageUDF(StatefulStageUDF):
             except BaseException:
                 thread.shutdown(wait=False)
                 raise
-            self.engines.append(Engine(model, thread, fn, owned=name is None))
+            self.engines.append(Engine(model, thread, fn, owned=name is None,
+                                       name=name or getattr(model, "name", None) or "in-actor"))
 
     @staticmethod
     def _start(model_source: str, engine_kwargs: dict[str, Any], saves: list[dict[str, Any]] | None,
@@ -223,29 +238,48 @@ class NNsightEngineStageUDF(StatefulStageUDF):
         with self._lock:
             engine = min(self.engines, key=lambda e: e.in_flight)
             engine.in_flight += 1
-            return engine
+            now = engine.in_flight
+        metrics.set_gauge("nnsight_data_batches_in_flight", now, engine=engine.name)
+        return engine
 
     async def udf(self, batch: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         loop = asyncio.get_running_loop()
+        arrived = time.perf_counter()
         engine = self._acquire()
         try:
             work = self.extract_batch if self.activations else self.run_batch
-            rows = await loop.run_in_executor(self._waits, work, batch, engine)
+            rows = await loop.run_in_executor(self._waits, work, batch, engine, arrived)
         finally:
             with self._lock:
                 engine.in_flight -= 1
+                now = engine.in_flight
+            metrics.set_gauge("nnsight_data_batches_in_flight", now, engine=engine.name)
+        metrics.observe("nnsight_data_batch_seconds", time.perf_counter() - arrived, engine=engine.name, phase="total")
         for row in rows:
             yield row
 
     # -- on a waiting thread; traces are built on the engine's tracing thread ---
 
-    def _trace(self, engine: Engine, requests: list[tuple[Any, dict[str, Any]]]) -> list[tuple]:
-        if engine.sends:  # sent from the tracing thread, waited for here: the thread is free for the next batch
-            tracer = engine.thread.submit(run_trace, engine.model, engine.fn, requests, False).result()
-            return trace_rows(tracer)
-        return engine.thread.submit(run_trace, engine.model, engine.fn, requests).result()
+    def _trace(self, engine: Engine, requests: list[tuple[Any, dict[str, Any]]],
+               arrived: float | None = None) -> list[tuple]:
+        """The requests as one trace on ``engine``; with ``arrived`` (the batch's arrival on the actor), its
+        ``queued``, ``build`` and ``engine`` phases are recorded."""
+        started = built = None
+        try:
+            if engine.sends:  # sent from the tracing thread, waited for here: the thread is free for the next batch
+                started, built, tracer = engine.thread.submit(_timed, run_trace, engine.model, engine.fn, requests,
+                                                              False).result()
+                return trace_rows(tracer)
+            started, built, rows = engine.thread.submit(_timed, run_trace, engine.model, engine.fn, requests).result()
+            return rows
+        finally:  # a trace that failed once sent (an intervention on the ranks) has its phases too
+            if arrived is not None and started is not None:
+                for phase, seconds in (("queued", started - arrived), ("build", built - started),
+                                       ("engine", time.perf_counter() - built)):
+                    metrics.observe("nnsight_data_batch_seconds", seconds, engine=engine.name, phase=phase)
 
-    def run_batch(self, batch: list[dict[str, Any]], engine: Engine | None = None) -> list[dict[str, Any]]:
+    def run_batch(self, batch: list[dict[str, Any]], engine: Engine | None = None,
+                  arrived: float | None = None) -> list[dict[str, Any]]:
         engine = engine or self.engines[0]
         batch_uuid = uuid.uuid4().hex
         out: list[dict[str, Any]] = []
@@ -255,28 +289,41 @@ class NNsightEngineStageUDF(StatefulStageUDF):
             try:
                 todo.append((idx, *request(row)))
             except Exception as error:
-                out.append(self._failed(idx, error, batch_uuid))
+                out.append(self._failed(idx, error, batch_uuid, engine))
         if not todo:
             return out
         started = time.perf_counter()
         try:
-            results = self._trace(engine, [(prompt, sampling) for _, prompt, sampling in todo])
+            results = self._trace(engine, [(prompt, sampling) for _, prompt, sampling in todo], arrived)
         except Exception as error:
             self._check(error)
             # As the batch runner's scheduler: the failing row is found by running each alone.
             results = [error] if len(todo) == 1 else [self._alone(engine, prompt, sampling)
                                                       for _, prompt, sampling in todo]
-        seconds = time.perf_counter() - started
+        finished = time.perf_counter()
+        seconds = finished - started
+        done = 0
         for (idx, _, sampling), result in zip(todo, results):
             if isinstance(result, BaseException):
-                out.append(self._failed(idx, result, batch_uuid))
+                out.append(self._failed(idx, result, batch_uuid, engine))
                 continue
             values, prompt_ids, generated, text = result
             try:
                 out.append(success_row(idx, values, prompt_ids, generated, text, batch_uuid, seconds, sampling))
+                done += 1
             except Exception as error:  # intervene() returned a value no column can hold
-                out.append(self._failed(idx, error, batch_uuid))
+                out.append(self._failed(idx, error, batch_uuid, engine))
+        self._done(engine, done, finished, arrived)
         return out
+
+    @staticmethod
+    def _done(engine: Engine, rows: int, finished: float, arrived: float | None) -> None:
+        """The batch's ``rows`` phase (results -> rows) and its rows that succeeded."""
+        if arrived is not None:
+            metrics.observe("nnsight_data_batch_seconds", time.perf_counter() - finished, engine=engine.name,
+                            phase="rows")
+        if rows:
+            metrics.inc("nnsight_data_rows", rows, engine=engine.name, outcome="ok", type="")
 
     def _alone(self, engine: Engine, prompt: Any, sampling: dict[str, Any]) -> Any:
         try:
@@ -287,8 +334,10 @@ class NNsightEngineStageUDF(StatefulStageUDF):
 
     # -- activation datasets: on a waiting thread ------------------------------
 
-    def extract_batch(self, batch: list[dict[str, Any]], engine: Engine | None = None) -> list[dict[str, Any]]:
-        """The batch as one part of the activation dataset (one per distinct sampling); a row per input row."""
+    def extract_batch(self, batch: list[dict[str, Any]], engine: Engine | None = None,
+                      arrived: float | None = None) -> list[dict[str, Any]]:
+        """The batch as one part of the activation dataset (one per distinct sampling); a row per input row.
+        Its metrics: the rows, and the whole batch as ``total`` (``udf``); no other phase."""
         engine = engine or self.engines[0]
         batch_uuid = uuid.uuid4().hex
         out: list[dict[str, Any]] = []
@@ -299,7 +348,8 @@ class NNsightEngineStageUDF(StatefulStageUDF):
                 prompt, sampling = request(row)
                 groups.setdefault(extract_sampling(sampling), []).append((idx, prompt))
             except Exception as error:
-                out.append(self._failed(idx, error, batch_uuid))
+                out.append(self._failed(idx, error, batch_uuid, engine))
+        done = 0
         for key, todo in groups.items():
             sampling = dict(key)
             prompts = [prompt for _, prompt in todo]
@@ -313,10 +363,12 @@ class NNsightEngineStageUDF(StatefulStageUDF):
             seconds = time.perf_counter() - started
             for (idx, _), result in zip(todo, results):
                 if isinstance(result, BaseException):
-                    out.append(self._failed(idx, result, batch_uuid))
+                    out.append(self._failed(idx, result, batch_uuid, engine))
                 else:
                     out.append(activation_row(idx, *result, batch_uuid=batch_uuid, seconds=seconds,
                                               sampling=sampling))
+                    done += 1
+        self._done(engine, done, time.perf_counter(), None)
         return out
 
     def _extract(self, engine: Engine, prompts: list[Any], sampling: dict[str, Any]) -> list[Any]:
@@ -371,8 +423,9 @@ class NNsightEngineStageUDF(StatefulStageUDF):
 
             raise RequestError(describe_error(error)) from error
 
-    def _failed(self, idx: Any, error: BaseException, batch_uuid: str) -> dict[str, Any]:
+    def _failed(self, idx: Any, error: BaseException, batch_uuid: str, engine: Engine) -> dict[str, Any]:
         self._check(error)
+        metrics.inc("nnsight_data_rows", engine=engine.name, outcome="failed", type=type(error).__name__)
         message = describe_error(error)
         logger.warning("row %s of batch %s failed: %s", idx, batch_uuid, message)
         return failure_row(idx, message, self.names, batch_uuid)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from conftest import ENGINE_KWARGS, assert_close
+from scrape import export_ports, scrape, total, wait_for_moves
 
 pytestmark = pytest.mark.integration
 
@@ -77,6 +78,8 @@ def test_save_columns_equal_local_traces(ray_cluster, local_llama, model_dir, tm
                                           batch_size=4, saves=SAVES)
     columns = [save["location"] for save in SAVES]
     keep = ["id", "generated_text", "generated_tokens", "prompt_token_ids", "num_generated_tokens", *columns]
+    ports = export_ports()
+    before = scrape(ports)
     rows, ds = run(config, write_prompts(tmp_path / "prompts.parquet", PROMPTS), keep)
 
     assert sorted(rows) == [f"q{i}" for i in range(len(PROMPTS))]
@@ -98,6 +101,16 @@ def test_save_columns_equal_local_traces(ray_cluster, local_llama, model_dir, tm
             assert_close(torch.from_numpy(got.copy()), want[name], rel=1e-4)
         assert row["model.layers.3.output"].shape == (tokens, 128)
 
+    # The stage's metrics (docs/metrics.md): every row ok; each batch (4 prompts at most) with each of its phases.
+    phase = lambda name: lambda s: total(s, "ray_nnsight_data_batch_seconds_count", phase=name)  # noqa: E731
+    wanted = {"ok": (lambda s: total(s, "ray_nnsight_data_rows_total", outcome="ok"), len(PROMPTS)),
+              **{name: (phase(name), 2) for name in ("queued", "build", "engine", "rows", "total")}}
+    grown = wait_for_moves(ports, before, wanted)
+    assert grown["ok"] == len(PROMPTS) and grown["total"] >= 2, grown
+    assert {grown[name] for name in ("queued", "build", "engine", "rows")} == {grown["total"]}, grown
+    engines = {labels["engine"] for name, labels, _ in scrape(ports) if name == "ray_nnsight_data_batches_in_flight"}
+    assert any(engine.startswith("data-") for engine in engines), engines  # the actor's own engine, by its name
+
 
 def test_a_failing_row_is_its_own_error_and_the_others_are_exact(ray_tp2, local_llama, model_dir, tmp_path):
     from nnsight_ray.data import NNsightEngineProcessorConfig
@@ -117,6 +130,8 @@ def test_a_failing_row_is_its_own_error_and_the_others_are_exact(ray_tp2, local_
     config = NNsightEngineProcessorConfig(model_source=model_dir, engine_name="tp2", concurrency=1,
                                           batch_size=8, should_continue_on_error=True, intervention=str(intervention))
     keep = ["id", "generated_tokens", "h2", "top"]
+    ports = export_ports()
+    before = scrape(ports)
     rows, _ = run(config, write_prompts(tmp_path / "prompts.parquet", prompts), keep)
 
     assert sorted(rows) == [f"q{i}" for i in range(len(prompts))]
@@ -138,6 +153,14 @@ def test_a_failing_row_is_its_own_error_and_the_others_are_exact(ray_tp2, local_
         assert_close(torch.from_numpy(row["h2"].copy()), h2)  # TP=2: two partial sums
         assert int(row["top"]) == int(top)
         assert list(row["generated_tokens"]) == list(result.outputs[0].token_ids)
+    # The stage's metrics on Ray's export ports (docs/metrics.md): the rows by outcome and error type; the one
+    # batch (it failed as a whole, then ran row by row) once.
+    rows_of = lambda **tags: lambda s: total(s, "ray_nnsight_data_rows_total", engine="tp2", **tags)  # noqa: E731
+    wanted = {"ok": (rows_of(outcome="ok"), 3), "intervention": (rows_of(outcome="failed", type="ValueError"), 1),
+              "failed": (rows_of(outcome="failed"), 2),
+              "batches": (lambda s: total(s, "ray_nnsight_data_batch_seconds_count", engine="tp2", phase="total"), 1)}
+    grown = wait_for_moves(ports, before, wanted)
+    assert grown == {"ok": 3, "intervention": 1, "failed": 2, "batches": 1}, grown
     with ray_tp2.trace("still serving", temperature=0.0, max_tokens=1):  # the pipeline left the engine running
         logits = ray_tp2.logits.save()
     assert logits.shape[-1] == local_llama.tokenizer.vocab_size or logits.numel() > 0

@@ -23,6 +23,7 @@ import ray
 import torch
 
 from conftest import ENGINE_KWARGS, assert_close, free_port, layer_and_logits, multi_invoke
+from scrape import export_ports, scrape, total
 
 pytestmark = pytest.mark.integration
 
@@ -483,30 +484,10 @@ def test_openai_chat_streams_and_named_edits_match_local(served, client, local_l
     assert set(engine_request_counts(APP)) == {0}
 
 
-def scrape(ports) -> list[tuple[str, dict, float]]:
-    """Every ``ray_nnsight_*`` sample on the metrics export ports: (name, labels, value)."""
-    import re
-
-    samples = []
-    for port in ports:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        for line in text.splitlines():
-            if not line.startswith("ray_nnsight_"):
-                continue
-            head, _, value = line.rpartition(" ")
-            name, _, labels = head.partition("{")
-            samples.append((name, dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels)), float(value)))
-    return samples
-
-
-def total(samples, name, **labels) -> float:
-    return sum(v for n, got, v in samples if n == name and all(got.get(k) == w for k, w in labels.items()))
-
-
 def test_metrics_move_under_load_on_rays_export_port(served, client):
     """Ray's export port on every raylet (``ray.nodes()``: ``MetricsExportPort``) shows the project's series
     move while the app serves traces, completions, a stream and a failing trace."""
-    ports = sorted({n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]})
+    ports = export_ports()
     assert ports and all(ports)
     before = scrape(ports)
     api = openai_client(served)

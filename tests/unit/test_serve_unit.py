@@ -779,7 +779,8 @@ def test_every_metric_is_named_tagged_and_exported_as_ray_does():
 
     assert set(METRICS) == {"nnsight_requests_in_flight", "nnsight_request_latency_seconds",
                             "nnsight_time_to_first_token_seconds", "nnsight_saved_bytes", "nnsight_collect_seconds",
-                            "nnsight_intervention_errors", "nnsight_engine_deaths"}
+                            "nnsight_intervention_errors", "nnsight_engine_deaths", "nnsight_data_rows",
+                            "nnsight_data_batch_seconds", "nnsight_data_batches_in_flight"}
     assert exported_names("nnsight_saved_bytes") == ["ray_nnsight_saved_bytes_total"]
     assert exported_names("nnsight_requests_in_flight") == ["ray_nnsight_requests_in_flight"]
     assert exported_names("nnsight_collect_seconds")[0] == "ray_nnsight_collect_seconds_bucket"

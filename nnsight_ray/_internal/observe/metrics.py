@@ -24,7 +24,8 @@ from typing import Any, Iterator, Protocol
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["METRICS", "Metric", "exported_names", "in_flight", "inc", "observe", "set_gauge", "use_backend"]
+__all__ = ["METRICS", "Metric", "export_ports", "exported_names", "exported_samples", "in_flight", "inc", "observe",
+           "sample_sum", "set_gauge", "use_backend"]
 
 LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
 COLLECT_BOUNDARIES = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
@@ -62,6 +63,19 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("nnsight_intervention_errors", "counter",
            "Requests whose intervention (trace or registered edit) raised, by exception type.",
            ("route", "type")),
+    Metric("nnsight_data_rows", "counter",
+           "Rows a Ray Data engine stage (nnsight_ray.data) finished: outcome=ok, or failed with the error's type "
+           "(the row's __inference_error__: an intervention that raised, a prompt vLLM refused, ...).",
+           ("engine", "outcome", "type")),
+    Metric("nnsight_data_batch_seconds", "histogram",
+           "Seconds a Ray Data engine stage's batch spent, by phase: queued (arrived on the actor, waiting for its "
+           "engine's tracing thread), build (its trace built and sent on that thread; an engine in the actor runs "
+           "the whole trace here), engine (sent -> values and outputs back on the actor), rows (the output rows "
+           "built), total (arrival -> rows).",
+           ("engine", "phase"), tuple(LATENCY_BOUNDARIES)),
+    Metric("nnsight_data_batches_in_flight", "gauge",
+           "Batches a Ray Data engine stage's actor has on an engine now (at most max_concurrent_batches).",
+           ("engine",)),
     Metric("nnsight_engine_deaths", "counter",
            "Engine deployments found dead (a rank, merge actor, engine actor or vLLM engine core died).",
            ("deployment",)),
@@ -77,6 +91,37 @@ def exported_names(name: str) -> list[str]:
     if kind == "histogram":
         return [f"{base}_bucket", f"{base}_sum", f"{base}_count"]
     return [base]
+
+
+def export_ports() -> list[int]:
+    """Every live raylet's metrics export port (``ray.nodes()``; Ray connected)."""
+    import ray
+
+    return sorted({n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]})
+
+
+def exported_samples(ports: list[int] | None = None) -> list[tuple[str, dict[str, str], float]]:
+    """Every ``ray_nnsight_*`` sample the export ports show now: ``(name, labels, value)`` (default: every
+    live raylet's port). What Prometheus would scrape, for a check or a benchmark without one."""
+    import re
+    import urllib.request
+
+    samples = []
+    for port in export_ports() if ports is None else ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        for line in text.splitlines():
+            if not line.startswith("ray_nnsight_"):
+                continue
+            head, _, value = line.rpartition(" ")
+            name, _, labels = head.partition("{")
+            samples.append((name, dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels)), float(value)))
+    return samples
+
+
+def sample_sum(samples, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(v for n, got, v in samples if n == name and all(got.get(k) == w for k, w in labels.items()))
 
 
 class Backend(Protocol):
