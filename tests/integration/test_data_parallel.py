@@ -8,7 +8,11 @@ On the session's multi-raylet cluster, through Ray Data's own ``build_processor`
 - the engine actor and its two rank actors ran in one placement group (the
   actor on one of the ranks' raylets, the ranks where the strategy put them);
 - once the dataset is consumed, nothing of the pool is left: its placement
-  group is removed, and no engine actor, engine, merge or rank actor is alive.
+  group is removed, and no engine actor, engine, merge or rank actor is alive;
+- an autoscaling pool (``concurrency=(1, 2)``, Ray Data's own actor
+  autoscaler): Ray Data starts a second engine actor while the first is busy,
+  every row equals the in-process engine's whichever actor ran it, and both
+  actors (an engine in each) are gone once the dataset is consumed.
 """
 
 from __future__ import annotations
@@ -112,3 +116,41 @@ def test_parallel_engines_equal_local_traces_and_leave_nothing(ray_cluster, refe
     assert not alive, f"actors of the pool still alive: {alive}"
     assert not leaked, f"placement groups still reserved: {leaked}"
     assert not [n for n in ray.util.list_named_actors(all_namespaces=True) if str(n).find("data-") >= 0]
+
+
+def test_an_autoscaling_pool_starts_a_second_engine_and_leaves_nothing(ray_cluster, local_llama, model_dir, tmp_path):
+    """``concurrency=(1, 2)``: one engine actor to begin with; Ray Data's autoscaler adds one once the first holds
+    ``max_tasks_in_flight_per_actor`` blocks (2 here: one batch at a time, so the engine runs in each actor and
+    util = 2 / 1 >= Ray Data's 1.75). Every row equals the in-process engine's, and nothing is left."""
+    import ray
+    import ray.data
+    from ray.data.llm import build_processor
+
+    from nnsight_ray.data import NNsightEngineProcessorConfig
+
+    prompts = [f"{word} number {i}" for i, word in enumerate(["Hello", "Ray", "vLLM", "abc"] * 6)]
+    path = write_prompts(tmp_path / "prompts.parquet", prompts)
+    config = NNsightEngineProcessorConfig(
+        model_source=model_dir, engine_kwargs=dict(ENGINE_KWARGS), concurrency=(1, 2), batch_size=2,
+        max_concurrent_batches=1, saves=[{"location": "model.layers.1.output", "tokens": "last"}])
+    assert not config.rank_actors  # one batch at a time: each actor's engine in the actor
+    processor = build_processor(
+        config, preprocess=lambda row: {"prompt": row["text"],
+                                        "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0.0}},
+        postprocess=lambda row: {"id": row["id"], "text": row["text"], "h1": row["model.layers.1.output"],
+                                 "generated_tokens": row["generated_tokens"]})
+    actors_before = actors()
+    source = ray.data.read_parquet(path).repartition(target_num_rows_per_block=2, strict=True)
+    rows = {row["id"]: row for row in processor(source).take_all()}
+
+    assert sorted(rows) == sorted(f"q{i}" for i in range(len(prompts)))
+    for key, row in rows.items():
+        want = reference(local_llama, row["text"], MAX_TOKENS)
+        assert list(row["generated_tokens"]) == want["generated_tokens"], key
+        assert_close(torch.from_numpy(row["h1"].copy()), want["model.layers.1.output"], rel=1e-4)
+    started = ours(actors_before)["workers"]
+    assert len(started) == 2, f"the pool did not scale to two engine actors: {[a['State'] for a in started]}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(a["State"] != "DEAD" for a in ours(actors_before)["workers"]):
+        time.sleep(1)
+    assert all(a["State"] == "DEAD" for a in ours(actors_before)["workers"]), "an engine actor of the pool is alive"
