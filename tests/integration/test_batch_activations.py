@@ -1,9 +1,9 @@
 """``python -m nnsight_ray.batch`` with ``output.format: activations`` on Ray Data: a real driver process, real Ray
-Data, the real vLLM CPU engine (a ``RayVLLM`` of one rank in the engine actor's placement group) on the session's
-Ray cluster, every token row against nnsight's in-process engine.
+Data, the real vLLM CPU engine on the session's Ray cluster, every token row against nnsight's in-process engine.
 
-- ``--check`` says the run takes Ray Data, and where the ranks write;
-- every prompt's row names its files, its ``prompt_index`` in them and its token count, and its rows there (token
+- the command's own engine at PP=2 (a ``RayVLLM`` of two ranks in the engine actor's placement group): ``--check``
+  says the run takes Ray Data, and where the ranks write; each stage's first rank writes a file of its own
+  layers; every prompt's row names its files (one per stage), its ``prompt_index`` in them and its token count, and its rows there (token
   ids, positions, each layer's residual stream) equal ``local_llama``'s;
 - a prompt vLLM refuses is a row with ``error`` and no files, and a line in ``errors.jsonl``;
 - the files the rows name are exactly the files on disk: one left there by an earlier attempt is deleted once the
@@ -11,7 +11,7 @@ Ray cluster, every token row against nnsight's in-process engine.
 - on the session's ``tp1`` (``--connect``): the driver SIGKILLed after some parts were committed, then the same
   command again: every prompt's token rows are in the files exactly once, and no file is left that no row names.
 
-One engine start (the first test's); every subprocess and the wait for the kill point are bounded.
+One engine start (the first test's, two ranks); every subprocess and the wait for the kill point are bounded.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_an_activation_dataset_on_ray_data_equals_local_traces(ray_cluster, loca
     (tmp_path / "prompts.jsonl").write_text(
         "".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
     out = tmp_path / "out"
-    config = {"model": {"path": model_dir}, "engine": {"engine_kwargs": dict(ENGINE_KWARGS)},
+    config = {"model": {"path": model_dir}, "engine": {"engine_kwargs": dict(ENGINE_KWARGS), "pipeline_parallel_size": 2},
               "prompts": {"path": str(tmp_path / "prompts.jsonl")},
               "saves": [{"location": location, "tokens": "all"} for location in LOCATIONS],
               "output": {"dir": str(out), "shard_size": 3, "format": "activations"},
@@ -96,17 +96,23 @@ def test_an_activation_dataset_on_ray_data_equals_local_traces(ray_cluster, loca
         if index == REFUSED:
             continue
         row = rows[f"q{index}"]
-        assert row["error"] is None and len(row["files"]) == 1  # one pipeline stage: one file
-        data = files[row["files"][0]]
-        mine = data["prompt_index"] == row["prompt_index"]
+        assert row["error"] is None and len(row["files"]) == 2, row["files"]  # two pipeline stages: a file each
         tokens = local_llama.tokenizer(prompt)["input_ids"]
-        assert int(mine.sum()) == row["tokens"] == len(tokens)
-        assert data["token_ids"][mine].tolist() == tokens and data["position"][mine].tolist() == list(range(len(tokens)))
         want = reference(local_llama, prompt)
-        for location in LOCATIONS:
-            assert data[location].dtype.name == "float32"  # the model's dtype
-            assert_close(torch.from_numpy(data[location][mine]), want[location])
-    assert sum(len(data["token_ids"]) for data in files.values()) == sum(r["tokens"] or 0 for r in rows.values())
+        seen = set()
+        for name in row["files"]:
+            data = files[name]
+            mine = data["prompt_index"] == row["prompt_index"]
+            assert int(mine.sum()) == row["tokens"] == len(tokens)
+            assert data["token_ids"][mine].tolist() == tokens
+            assert data["position"][mine].tolist() == list(range(len(tokens)))
+            for location in set(LOCATIONS) & set(data):  # layer 1 on stage 0, layer 3 on stage 1
+                assert data[location].dtype.name == "float32"  # the model's dtype
+                assert_close(torch.from_numpy(data[location][mine]), want[location])
+                seen.add(location)
+        assert seen == set(LOCATIONS), (row["files"], seen)
+    stage0 = [data for name, data in files.items() if ".stage0" in name]
+    assert stage0 and sum(len(data["token_ids"]) for data in stage0) == sum(r["tokens"] or 0 for r in rows.values())
 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["layout"]["activations"] == "activations/*.safetensors"
