@@ -80,6 +80,7 @@ import time
 from pathlib import Path
 
 KV_BYTES = 64 << 20
+BLOCK = 64  # rows per block and per file on every Ray Data path (the CLI's output.shard_size here)
 PHASES = ("queued", "build", "engine", "rows", "total")
 #: Per data run (by output folder): the stage's mean seconds per batch by phase, and batches.
 STAGE: dict[str, dict[str, float]] = {}
@@ -183,7 +184,7 @@ def batch(engines, config_dict, out: Path, n: int) -> tuple[float, float | None]
     from nnsight_ray.batch.runner import run_batch
 
     shutil.rmtree(out, ignore_errors=True)
-    config_dict = {**config_dict, "output": {"dir": str(out), "shard_size": 64}}
+    config_dict = {**config_dict, "output": {"dir": str(out), "shard_size": BLOCK}}
     result = run_batch(validate(config_dict), engines=engines, stream=io.StringIO(), interactive=False)
     assert result.complete and result.prompts_run == n, result.summary()
     return result.prompts_per_s, steady(list(out.glob("shard-*.parquet")), n)
@@ -199,7 +200,7 @@ def data(engines, config_dict, out: Path, n: int, clients: int = 1) -> tuple[flo
     from nnsight_ray._internal.observe.metrics import exported_samples
 
     shutil.rmtree(out, ignore_errors=True)
-    config_dict = {**config_dict, "output": {"dir": str(out), "shard_size": 64}}
+    config_dict = {**config_dict, "output": {"dir": str(out), "shard_size": BLOCK}}
     prepared = prepare(validate(config_dict))  # the model's meta tree: before the clock, as run_batch's
     before = exported_samples()
     result = run_on_ray_data(prepared, stream=io.StringIO(), interactive=False,
@@ -212,23 +213,39 @@ def data(engines, config_dict, out: Path, n: int, clients: int = 1) -> tuple[flo
     return result.prompts_run / result.run_s, rate
 
 
+def plain_tasks(in_flight: int, batch_size: int, block: int) -> int:
+    """Ray Data LLM's ``max_concurrent_batches`` that puts ``in_flight`` batches of ``batch_size`` on its engine.
+
+    It is the engine actor's task concurrency (Ray Core ``max_concurrency``), and Ray Data runs the batches of
+    one task's block at once (up to ``RAY_DATA_DEFAULT_ASYNC_BATCH_UDF_MAX_CONCURRENCY``, 4): with blocks of 64
+    and batches of 32, 8 tasks hold 16 batches. nnsight_ray's stage holds at most ``max_concurrent_batches`` on
+    its engine whatever the blocks, so the plain processor takes fewer tasks for the same batches in flight."""
+    from ray.data._internal.planner.plan_udf_map_op import DEFAULT_ASYNC_BATCH_UDF_MAX_CONCURRENCY
+
+    per_task = max(1, min(DEFAULT_ASYNC_BATCH_UDF_MAX_CONCURRENCY, -(-block // batch_size)))
+    return max(1, -(-in_flight // per_task))
+
+
 def plain(model_dir: str, engine_kwargs: dict, texts_path: Path, out: Path, n: int, batch_size: int,
           in_flight: int, bundle: dict) -> tuple[float, float | None]:
-    """Ray Data LLM's vLLM processor over the same prompts, read and written as ``data``'s (blocks of 64)."""
+    """Ray Data LLM's vLLM processor over the same prompts, read and written as ``data``'s (blocks of 64), with
+    ``in_flight`` batches on its engine, as ``data``'s: its ``max_concurrent_batches`` is the actor's task
+    concurrency, and each task runs the batches of its block at once (``plain_tasks``)."""
     import ray.data
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
     shutil.rmtree(out, ignore_errors=True)
     config = vLLMEngineProcessorConfig(model_source=model_dir, engine_kwargs=dict(engine_kwargs),
-                                       batch_size=batch_size, concurrency=1, max_concurrent_batches=in_flight,
+                                       batch_size=batch_size, concurrency=1,
+                                       max_concurrent_batches=plain_tasks(in_flight, batch_size, BLOCK),
                                        placement_group_config={"bundles": [bundle]},
                                        chat_template_stage=False, detokenize_stage=False)
     processor = build_processor(
         config, preprocess=lambda row: {"prompt": row["text"], "sampling_params": {"max_tokens": 1, "temperature": 0.0}},
         postprocess=lambda row: {"text": row["text"], "generated_text": row["generated_text"]})
     start = time.perf_counter()
-    prompts = ray.data.read_text(str(texts_path)).repartition(target_num_rows_per_block=64, strict=True)
-    processor(prompts).write_parquet(str(out), min_rows_per_file=64)
+    prompts = ray.data.read_text(str(texts_path)).repartition(target_num_rows_per_block=BLOCK, strict=True)
+    processor(prompts).write_parquet(str(out), min_rows_per_file=BLOCK)
     seconds = time.perf_counter() - start
     files = list(out.glob("*.parquet"))
     import pyarrow.parquet as pq

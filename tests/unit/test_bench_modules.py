@@ -76,3 +76,13 @@ def test_nnsight_suite_loads_as_a_pytest_plugin(tmp_path):
                            "--rootdir", str(tmp_path), "-q", str(tmp_path / "test_empty.py")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_plain_processor_gets_as_many_batches_on_its_engine_as_the_others():
+    """Ray Data LLM's max_concurrent_batches counts tasks, each running its block's batches at once (up to 4)."""
+    from benchmarks.batch import plain_tasks
+
+    assert plain_tasks(8, 32, 64) == 4  # blocks of 64, batches of 32: 4 tasks x 2 batches
+    assert plain_tasks(8, 64, 64) == 8 and plain_tasks(8, 128, 64) == 8
+    assert plain_tasks(8, 8, 64) == 2  # 8 batches a block, 4 at once
+    assert plain_tasks(1, 32, 64) == 1
