@@ -82,8 +82,6 @@ from pathlib import Path
 KV_BYTES = 64 << 20
 BLOCK = 64  # rows per block and per file on every Ray Data path (the CLI's output.shard_size here)
 PHASES = ("queued", "build", "engine", "rows", "total")
-#: Per data run (by output folder): the stage's mean seconds per batch by phase, and batches.
-STAGE: dict[str, dict[str, float]] = {}
 
 
 def stage_phases(before: list, batches: int, seconds: float = 30) -> dict[str, float]:
@@ -190,7 +188,7 @@ def batch(engines, config_dict, out: Path, n: int) -> tuple[float, float | None]
     return result.prompts_per_s, steady(list(out.glob("shard-*.parquet")), n)
 
 
-def data(engines, config_dict, out: Path, n: int, clients: int = 1) -> tuple[float, float | None]:
+def data(engines, config_dict, out: Path, n: int, clients: int = 1) -> tuple[float, float | None, dict]:
     import io
 
     from nnsight_ray.batch.config import validate
@@ -207,10 +205,10 @@ def data(engines, config_dict, out: Path, n: int, clients: int = 1) -> tuple[flo
                              connect=[engine.name for engine in engines] if engines else None, clients=clients)
     assert result.complete and result.prompts_run == n, result.summary()
     rate = steady(list((out / "data").glob("*.parquet")), n)
-    STAGE[out.name] = phases = stage_phases(before, -(-n // prepared.config.runner.prompts_per_trace))
+    phases = stage_phases(before, -(-n // prepared.config.runner.prompts_per_trace))
     if rate:
         phases["in_flight"] = phases["batch_seconds"] * rate / n
-    return result.prompts_run / result.run_s, rate
+    return result.prompts_run / result.run_s, rate, phases
 
 
 def plain_tasks(in_flight: int, batch_size: int, block: int) -> int:
@@ -429,9 +427,8 @@ def main() -> int:
         for r in range(args.rounds):
             for method in list(methods):
                 try:
-                    STAGE.clear()
                     with PeakRSS() as memory:
-                        whole, rate = runs[method](r)
+                        whole, rate, *phases = runs[method](r)  # a Ray Data run's: the stage's phases too
                     peaks[method].append(memory.peak)
                     rises[method].append(memory.peak - memory.start)
                 except Exception as error:  # the plain processor may not start on this host: report, go on
@@ -445,8 +442,8 @@ def main() -> int:
                     rises.pop(method)
                     continue
                 results[method].append(whole)
-                if method in stage and STAGE:
-                    stage[method].append(STAGE.popitem()[1])
+                if method in stage and phases:
+                    stage[method].append(phases[0])
                 if method in steadies and rate is not None:
                     steadies[method].append(rate)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in results.items()) + " prompts/s; "
