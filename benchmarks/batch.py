@@ -448,6 +448,10 @@ def main() -> int:
                     steadies[method].append(rate)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in results.items()) + " prompts/s; "
                   "steady " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in steadies.items() if v), flush=True)
+            for key, runs_ in stage.items():  # each round's phases now: a host taken back keeps what it printed
+                if runs_:
+                    print(f"  {key} phases: " + ", ".join(f"{p} {runs_[-1].get(p, float('nan')) * 1e3:.1f} ms"
+                                                          for p in PHASES), flush=True)
         if args.spy:
             spy_data(engines if "data" in methods else None, config, work / "spy", len(texts), args.clients,
                      args.spy, args.spy_top, args.spy_dir, args.spy_bin)

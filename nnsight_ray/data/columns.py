@@ -20,12 +20,13 @@ save columns are None.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import math
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 __all__ = ["ACTIVATION_COLUMNS", "ARRAY", "ERROR", "OUTPUT_COLUMNS", "activation_row", "describe_error",
-           "failure_row", "request", "restore_arrays", "success_row", "to_columns", "with_arrays"]
+           "failure_row", "host_arrays", "many_columns", "request", "restore_arrays", "success_row", "to_columns", "with_arrays"]
 
 #: Ray Data LLM's per-row error column ("" on a row that succeeded).
 ERROR = "__inference_error__"
@@ -71,30 +72,90 @@ def request(row: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
     return prompt, {key: value for key, value in sampling.items() if value is not None}
 
 
-def to_columns(values: Mapping[str, Any]) -> dict[str, Any]:
-    """One invoke's ``{name: value}`` as columns: tensors and arrays as ``{ARRAY, "shape", "dtype"}``.
+def host_arrays(tensors: Sequence[Any]) -> list[np.ndarray]:
+    """Torch tensors as numpy arrays of their shapes (bfloat16 as float32), views of one host copy per device
+    and dtype.
 
-    Values that are neither (numbers, strings, lists) pass as they are.
+    A few torch calls per (device, dtype) group, not per tensor: each torch call
+    releases the GIL, and in an engine actor whose other threads keep it busy
+    (the tracing thread, collection, Ray Data) each reacquire waits up to a
+    switch interval (5 ms), so a batch converted tensor by tensor takes 30-100x
+    its own time there (``benchmarks/gil_convoy.py``).
     """
     import torch
+    from torch._utils import _flatten_dense_tensors
 
-    columns: dict[str, Any] = {}
-    for name, value in values.items():
-        name = str(name)
-        if name in _RESERVED:
-            raise ValueError(f"intervene() returned {name!r}, a column the engine stage writes; rename it")
-        if isinstance(value, torch.Tensor):
-            value = value.detach().cpu()
-            value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
-        if isinstance(value, np.ndarray):
-            value = {ARRAY: np.ascontiguousarray(value).reshape(-1), "shape": [int(n) for n in value.shape],
-                     "dtype": value.dtype.name}
-        columns[name] = value
-    return columns
+    arrays: list[Any] = [None] * len(tensors)
+    groups: dict[tuple[Any, Any], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+    for (_, dtype), members in groups.items():
+        parts = [tensors[i] for i in members]
+        flat = _flatten_dense_tensors(parts) if len(parts) > 1 else parts[0].reshape(-1)
+        # Each call only where needed: every torch call is a GIL release (and a reacquire).
+        if flat.requires_grad:
+            flat = flat.detach()
+        if flat.device.type != "cpu" or dtype == torch.bfloat16:
+            flat = flat.to("cpu", torch.float32 if dtype == torch.bfloat16 else dtype)
+        if dtype.is_complex:
+            flat = flat.resolve_conj()
+        host = flat.numpy()
+        offset = 0
+        for index in members:
+            shape = tuple(tensors[index].shape)
+            size = math.prod(shape)
+            arrays[index] = host[offset:offset + size].reshape(shape)
+            offset += size
+    return arrays
 
 
-def success_row(idx: Any, values: Mapping[str, Any], prompt_token_ids: list[int], generated_tokens: list[int],
+def many_columns(invokes: Sequence[Mapping[str, Any]]) -> list[dict[str, Any] | Exception]:
+    """Each invoke's ``{name: value}`` as columns: tensors and arrays as ``{ARRAY, "shape", "dtype"}``, the
+    tensors of all invokes brought to the host together (``host_arrays``). Values that are neither (numbers,
+    strings, lists) pass as they are. An invoke that names a column the stage writes (``ValueError``), or
+    whose tensors numpy cannot hold, has the error in its place (its row's error); the others are unaffected."""
+    import torch
+
+    made: list[dict[str, Any] | Exception] = []
+    tensors: list[list[tuple[str, Any]]] = []  # per invoke: its (name, tensor)s
+    for values in invokes:
+        taken = [str(name) for name in values if str(name) in _RESERVED]
+        made.append(ValueError(f"intervene() returned {taken[0]!r}, a column the engine stage writes; rename it")
+                    if taken else {str(name): value for name, value in values.items()})
+        tensors.append([] if taken else [(str(name), value) for name, value in values.items()
+                                         if isinstance(value, torch.Tensor)])
+    try:
+        arrays = iter(host_arrays([tensor for own in tensors for _, tensor in own]))
+        for columns, own in zip(made, tensors):
+            for name, _ in own:
+                columns[name] = next(arrays)
+    except Exception:  # a dtype numpy has no form of: only the invokes that hold one fail
+        for k, own in enumerate(tensors):
+            try:
+                for (name, _), array in zip(own, host_arrays([tensor for _, tensor in own])):
+                    made[k][name] = array
+            except Exception as error:
+                made[k] = TypeError(f"intervene() returned a value no column can hold: {error}")
+    for columns in made:
+        if isinstance(columns, dict):
+            for name, value in columns.items():
+                if isinstance(value, np.ndarray):
+                    columns[name] = {ARRAY: np.ascontiguousarray(value).reshape(-1),
+                                     "shape": [int(n) for n in value.shape], "dtype": value.dtype.name}
+    return made
+
+
+def to_columns(values: Mapping[str, Any]) -> dict[str, Any]:
+    """One invoke's ``many_columns``; raises its error (a stage column named, a value no column can hold)."""
+    made = many_columns([values])[0]
+    if isinstance(made, Exception):
+        raise made
+    return made
+
+
+def success_row(idx: Any, columns: Mapping[str, Any], prompt_token_ids: list[int], generated_tokens: list[int],
                 generated_text: str, batch_uuid: str, seconds: float, sampling: Mapping[str, Any]) -> dict[str, Any]:
+    """A row that succeeded: the output columns and ``columns`` (its saved values, made by ``many_columns``)."""
     return {
         "__idx_in_batch": idx,
         "prompt_token_ids": [int(t) for t in prompt_token_ids],
@@ -106,7 +167,7 @@ def success_row(idx: Any, values: Mapping[str, Any], prompt_token_ids: list[int]
         "time_taken_llm": seconds,
         "params": str(dict(sampling)),
         ERROR: "",
-        **to_columns(values),
+        **columns,
     }
 
 

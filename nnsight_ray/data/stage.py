@@ -64,7 +64,8 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from ray.llm._internal.batch.stages.base import StatefulStage, StatefulStageUDF
 
 from .._internal.observe import metrics
-from .columns import ACTIVATION_COLUMNS, activation_row, describe_error, failure_row, request, success_row
+from .columns import (ACTIVATION_COLUMNS, activation_row, describe_error, failure_row, many_columns, request,
+                      success_row)
 
 logger = logging.getLogger(__name__)
 
@@ -303,16 +304,16 @@ class NNsightEngineStageUDF(StatefulStageUDF):
         finished = time.perf_counter()
         seconds = finished - started
         done = 0
+        # The batch's saved values to the host at once: a few torch calls, not a few per row (``host_arrays``).
+        made = iter(many_columns([result[0] for result in results if not isinstance(result, BaseException)]))
         for (idx, _, sampling), result in zip(todo, results):
-            if isinstance(result, BaseException):
-                out.append(self._failed(idx, result, batch_uuid, engine))
+            columns = result if isinstance(result, BaseException) else next(made)
+            if isinstance(columns, BaseException):  # the row's error, or intervene() named a stage column
+                out.append(self._failed(idx, columns, batch_uuid, engine))
                 continue
-            values, prompt_ids, generated, text = result
-            try:
-                out.append(success_row(idx, values, prompt_ids, generated, text, batch_uuid, seconds, sampling))
-                done += 1
-            except Exception as error:  # intervene() returned a value no column can hold
-                out.append(self._failed(idx, error, batch_uuid, engine))
+            _, prompt_ids, generated, text = result
+            out.append(success_row(idx, columns, prompt_ids, generated, text, batch_uuid, seconds, sampling))
+            done += 1
         self._done(engine, done, finished, arrived)
         return out
 

@@ -110,7 +110,7 @@ def test_saved_values_cross_arrow_in_their_dtype_and_shape():
         "count": 3,
         "top": torch.tensor(7),
     }
-    ok = columns.success_row(0, values, [1, 2, 3], [4, 5], "ab", "u", 0.5, {"max_tokens": 2})
+    ok = columns.success_row(0, columns.to_columns(values), [1, 2, 3], [4, 5], "ab", "u", 0.5, {"max_tokens": 2})
     bad = columns.failure_row(1, "ValueError: boom", ["model.layers.1.output"], "u")
     assert ok[ERROR] == "" and ok["num_input_tokens"] == 3 and ok["num_generated_tokens"] == 2
     assert bad[ERROR] == "ValueError: boom" and bad["generated_tokens"] == [] and bad["model.layers.1.output"] is None
@@ -125,6 +125,33 @@ def test_saved_values_cross_arrow_in_their_dtype_and_shape():
     assert got["count"] == 3 and got["generated_tokens"] == [4, 5] and got["generated_text"] == "ab"
     failed = columns.restore_arrays(rows[1])
     assert failed["model.layers.1.output"] is None and failed[ERROR] == "ValueError: boom"
+
+
+def test_host_arrays_are_each_tensors_values_in_its_shape():
+    """One host copy per dtype: views of it, each the tensor it stands for (bfloat16 as float32; 0-d, views of a
+    larger buffer and non-contiguous tensors included)."""
+    base = torch.arange(24, dtype=torch.float32)
+    tensors = [base[2:8], base.reshape(4, 6).t(), torch.tensor(5), torch.ones(2, 3, dtype=torch.bfloat16) * 1.5,
+               torch.arange(4, dtype=torch.int64), torch.full((3,), 2.0, requires_grad=True) * 1]
+    arrays = columns.host_arrays(tensors)
+    for tensor, array in zip(tensors, arrays):
+        want = tensor.detach().float() if tensor.dtype == torch.bfloat16 else tensor.detach()
+        assert array.shape == tuple(tensor.shape) and array.dtype == want.numpy().dtype
+        np.testing.assert_array_equal(array, want.numpy())
+    assert columns.host_arrays([]) == []
+
+
+def test_many_columns_fails_only_the_invokes_that_cannot_be_columns():
+    """A stage column named, a dtype numpy has no form of: that invoke's error; the batch's others are exact."""
+    invokes = [{"h": torch.arange(3, dtype=torch.bfloat16)}, {"generated_text": torch.zeros(1)},
+               {"h": torch.zeros(2, dtype=torch.float8_e4m3fn)}, {"h": torch.arange(2.0), "n": 4, "a": np.ones(2)}]
+    made = columns.many_columns(invokes)
+    assert made[0]["h"]["shape"] == [3] and made[0]["h"]["dtype"] == "float32"
+    assert made[0]["h"][columns.ARRAY].tolist() == [0, 1, 2]
+    assert isinstance(made[1], ValueError) and "generated_text" in str(made[1])
+    assert isinstance(made[2], TypeError) and "no column can hold" in str(made[2])
+    assert made[3]["h"][columns.ARRAY].tolist() == [0, 1] and made[3]["n"] == 4
+    assert made[3]["a"]["dtype"] == "float64" and made[3]["a"][columns.ARRAY].tolist() == [1, 1]
 
 
 def test_an_intervention_may_not_overwrite_the_stage_columns():
