@@ -77,20 +77,33 @@ EXTRACT_SAMPLING = {"max_tokens": 1, "temperature": 0.0}
 
 
 def run_trace(model: Any, fn: Callable, requests: Sequence[tuple[Any, dict[str, Any]]],
-              blocking: bool = True) -> Any:
+              blocking: bool = True, slots: bool = False) -> Any:
     """One trace, one invoke per ``(prompt, sampling)``: each invoke's ``(values, prompt ids, generated ids, text)``.
 
-    ``rows`` is bound and saved above the invokes, so each request's copy
-    carries its own slot and nnsight merges them slot-wise (as the batch
-    runner's ``submit_trace``). Blocking (a ``LocalVLLM``), each invoke reads
-    its request's output from ``tracer.result``. ``blocking=False`` (a
-    ``RayVLLM``): returns the tracer once the requests are sent, the blocks
-    save only the values, and ``trace_rows(tracer)`` waits for the values and
-    the requests' outputs (``trace(outputs=True)``), so no block is held open
-    on a rank until its request ends.
+    Blocking (a ``LocalVLLM``), ``rows`` is bound and saved above the invokes,
+    so each request's copy carries its own slot and nnsight merges them
+    slot-wise, and each invoke reads its request's output from
+    ``tracer.result``. ``blocking=False`` (a ``RayVLLM``): returns the tracer
+    once the requests are sent, and ``trace_rows(tracer)`` waits for the
+    values and the requests' outputs (``trace(outputs=True)``), so no block is
+    held open on a rank until its request ends. There each invoke saves its own
+    ``values`` and nnsight's collection hands them back as a list in request
+    order (one per request): every invoke's block then reads the same objects
+    (``fn``, ``model``, ``tracer``), so the trace's attach pickles that state
+    once for all of them (``_internal/blocks/shared_blocks.py``), where a slot
+    index ``i`` in the block made it pickle one state per invoke (3.3x the
+    build, ``benchmarks/stage_build.py``). A request sampling ``n > 1``
+    sequences saves once per sequence, so those traces keep the slots
+    (``slots=True``: always, for comparison).
     """
     import nnsight
 
+    if not blocking and not slots and all(int(sampling.get("n") or 1) == 1 for _, sampling in requests):
+        with model.trace(blocking=False, outputs=True) as tracer:
+            for prompt, sampling in requests:
+                with tracer.invoke(prompt, **sampling):
+                    values = nnsight.save(fn(model, tracer))  # noqa: F841 - collected by name
+        return tracer
     with model.trace(**({} if blocking else {"blocking": False, "outputs": True})) as tracer:
         rows = nnsight.save([None] * len(requests))
         for i, (prompt, sampling) in enumerate(requests):
@@ -108,8 +121,11 @@ def run_trace(model: Any, fn: Callable, requests: Sequence[tuple[Any, dict[str, 
 def trace_rows(tracer: Any) -> list[tuple]:
     """A non-blocking ``run_trace``'s rows once its requests are done: ``(values, prompt ids, generated ids, text)``."""
     saves, outputs = tracer.collect()
-    return [(values, out["prompt_token_ids"], out["token_ids"], out["text"])
-            for values, out in zip(saves["rows"], outputs)]
+    if "rows" in saves:  # the slots of a trace with n > 1
+        found = saves["rows"]
+    else:  # one saved ``values`` per request: nnsight's collection lists them in request order, or one alone
+        found = saves["values"] if len(outputs) > 1 else [saves["values"]]
+    return [(values, out["prompt_token_ids"], out["token_ids"], out["text"]) for values, out in zip(found, outputs)]
 
 
 def _timed(fn: Callable, *args: Any) -> tuple[float, float, Any]:

@@ -549,3 +549,18 @@ def test_a_ray_engines_trace_is_sent_on_its_thread_and_waited_for_off_it(monkeyp
     udf.engines = [stage.Engine(object(), ThreadPoolExecutor(1, thread_name_prefix="tracing"), None, owned=False)]
     udf.run_batch(rows("ab"))
     assert [entry[0] for entry in seen] == ["build"] and seen[0][2] is True
+
+
+def test_trace_rows_pairs_each_requests_values_with_its_output_in_every_form():
+    """nnsight's collection lists a name saved by several requests in request order, and gives one request's
+    alone; a trace with n > 1 keeps slots. Each form pairs values i with output i."""
+
+    class Collected:
+        def __init__(self, saves, outputs):
+            self.collect = lambda: (saves, outputs)
+
+    outs = [{"prompt_token_ids": [i], "token_ids": [i + 10], "text": f"t{i}"} for i in range(3)]
+    many = stage.trace_rows(Collected({"values": [{"h": 0}, {"h": 1}, {"h": 2}]}, outs))
+    assert many == [({"h": i}, [i], [i + 10], f"t{i}") for i in range(3)]
+    assert stage.trace_rows(Collected({"values": {"h": 0}}, outs[:1])) == [({"h": 0}, [0], [10], "t0")]
+    assert stage.trace_rows(Collected({"rows": [{"h": 5}, {"h": 6}]}, outs[:2]))[1] == ({"h": 6}, [1], [11], "t1")
