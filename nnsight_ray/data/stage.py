@@ -91,8 +91,8 @@ def run_trace(model: Any, fn: Callable, requests: Sequence[tuple[Any, dict[str, 
     order (one per request): every invoke's block then reads the same objects
     (``fn``, ``model``, ``tracer``), so the trace's attach pickles that state
     once for all of them (``_internal/blocks/shared_blocks.py``), where a slot
-    index ``i`` in the block made it pickle one state per invoke (3.3x the
-    build, ``benchmarks/stage_build.py``). A request sampling ``n > 1``
+    index ``i`` in the block made it pickle one state per invoke (2.9x the
+    build on the CPU, ``python -m benchmarks.stage_build``). A request sampling ``n > 1``
     sequences saves once per sequence, so those traces keep the slots
     (``slots=True``: always, for comparison).
     """
@@ -121,7 +121,7 @@ def run_trace(model: Any, fn: Callable, requests: Sequence[tuple[Any, dict[str, 
 def trace_rows(tracer: Any) -> list[tuple]:
     """A non-blocking ``run_trace``'s rows once its requests are done: ``(values, prompt ids, generated ids, text)``."""
     saves, outputs = tracer.collect()
-    if "rows" in saves:  # the slots of a trace with n > 1
+    if "rows" in saves:  # the slots of a trace with n > 1 (or slots=True)
         found = saves["rows"]
     else:  # one saved ``values`` per request: nnsight's collection lists them in request order, or one alone
         found = saves["values"] if len(outputs) > 1 else [saves["values"]]
