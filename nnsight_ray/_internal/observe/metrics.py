@@ -69,9 +69,9 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            ("engine", "outcome", "type")),
     Metric("nnsight_data_batch_seconds", "histogram",
            "Seconds a Ray Data engine stage's batch spent, by phase: queued (arrived on the actor, waiting for a "
-           "max_concurrent_batches slot and its engine's tracing thread), build (its trace built and sent on that thread; an engine in the actor runs "
-           "the whole trace here), engine (sent -> values and outputs back on the actor), rows (the output rows "
-           "built), total (arrival -> rows).",
+           "max_concurrent_batches slot and its engine's tracing thread), build (its trace built and sent on that "
+           "thread; an engine in the actor runs the whole trace here), engine (sent -> values and outputs back on "
+           "the actor), rows (the output rows built), total (arrival -> rows).",
            ("engine", "phase"), tuple(LATENCY_BOUNDARIES)),
     Metric("nnsight_data_batches_in_flight", "gauge",
            "Batches a Ray Data engine stage's actor has on an engine now (at most max_concurrent_batches).",
