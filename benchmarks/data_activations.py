@@ -46,6 +46,10 @@ from pathlib import Path
 
 KV_BYTES = 64 << 20
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_BYTES)
+# On a GPU host both engines share the one card (the rank path's stays up while the sink's runs): bf16, each at
+# this share of the card's memory and of its GPU resource.
+GPU_SHARE = 0.4
+GPU_ENGINE = dict(dtype="bfloat16", max_model_len=256, gpu_memory_utilization=GPU_SHARE)
 
 
 def token_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -125,14 +129,15 @@ def safetensors_sink(directory: str, locations: list[str]):
     return Sink()
 
 
-def sink_path(model_dir: str, prompts, locations, part: int, out: Path) -> float:
+def sink_path(model_dir: str, prompts, locations, part: int, out: Path, engine: dict, gpus: float | None) -> float:
     """Seconds of the Ray Data pipeline from its first trace to its last write (engine start left out)."""
     import numpy as np
     import ray
 
     from nnsight_ray.data import NNsightEngineProcessorConfig, build_processor
 
-    config = NNsightEngineProcessorConfig(model_source=model_dir, engine_kwargs=dict(ENGINE), concurrency=1,
+    config = NNsightEngineProcessorConfig(model_source=model_dir, engine_kwargs=dict(engine), concurrency=1,
+                                          num_gpus=gpus,
                                           batch_size=part, saves=[{"location": loc, "tokens": "all"}
                                                                   for loc in locations])
     processor = build_processor(
@@ -183,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     layers = model_config.num_hidden_layers
     locations = [f"model.layers.{i}.output" for i in range(layers)]
     results: dict[str, list[dict]] = {"rank": [], "sink": [], "plain": []}
-    model = RayVLLM(model_dir, **ENGINE)
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    engine = GPU_ENGINE if on_gpu else ENGINE
+    model = RayVLLM(model_dir, **engine, **({"gpus_per_rank": GPU_SHARE} if on_gpu else {}))
     try:
         rank_path(model, prompts[:args.part], locations, args.part, scratch / "warm")  # warm-up
         for round_ in range(args.rounds):
@@ -194,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "bytes": tensor_bytes(out)})
             out = scratch / f"sink-{round_}"
             out.mkdir()
-            results["sink"].append({"seconds": sink_path(model_dir, prompts, locations, args.part, out),
+            results["sink"].append({"seconds": sink_path(model_dir, prompts, locations, args.part, out, engine,
+                                                               GPU_SHARE if on_gpu else None),
                                     "bytes": tensor_bytes(out)})
             print(f"round {round_}: rank {results['rank'][-1]}, sink {results['sink'][-1]}", file=sys.stderr)
     finally:
