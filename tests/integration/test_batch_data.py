@@ -10,7 +10,7 @@ Data, the real vLLM CPU engine on the session's Ray cluster, values against nnsi
 - a third run of the finished folder starts no engine and writes nothing.
 
 The kill and the ``.txt`` runs attach to the session's deployments (``--connect tp1`` / ``tp2``). The command's
-own engines are run by ``test_batch.py`` (the documented command, ``ray job submit``); at TP=2 and PP=2 the same
+own engines are run by ``test_batch.py`` (the documented command, ``ray job submit``); at TP=2 x PP=2 the same
 processor runs in ``test_data_parallel.py``, and the CLI's layout -> processor config is a unit test
 (``test_batch_pipeline.py``). Every subprocess is bounded (``timeout``), and so is the wait for the kill point.
 """
