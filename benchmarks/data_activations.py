@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     on_gpu = torch.cuda.is_available()
-    engine = GPU_ENGINE if on_gpu else ENGINE
-    model = RayVLLM(model_dir, **engine, **({"gpus_per_rank": GPU_SHARE} if on_gpu else {}))
+    engine, gpus = (GPU_ENGINE, GPU_SHARE) if on_gpu else (ENGINE, None)
+    model = RayVLLM(model_dir, **engine, **({"gpus_per_rank": gpus} if on_gpu else {}))
     try:
         rank_path(model, prompts[:args.part], locations, args.part, scratch / "warm")  # warm-up
         for round_ in range(args.rounds):
@@ -203,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "bytes": tensor_bytes(out)})
             out = scratch / f"sink-{round_}"
             out.mkdir()
-            results["sink"].append({"seconds": sink_path(model_dir, prompts, locations, args.part, out, engine,
-                                                               GPU_SHARE if on_gpu else None),
+            results["sink"].append({"seconds": sink_path(model_dir, prompts, locations, args.part, out, engine, gpus),
                                     "bytes": tensor_bytes(out)})
             print(f"round {round_}: rank {results['rank'][-1]}, sink {results['sink'][-1]}", file=sys.stderr)
     finally:
