@@ -32,6 +32,7 @@ on the engine with the fewest in flight; the deployments keep running after.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -132,6 +134,30 @@ def _location(source: PromptsConfig) -> tuple[str, Any]:
     return str(Path(source.path.removeprefix("file://")).expanduser().resolve()), None
 
 
+FOOTER_READERS = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+
+
+@contextlib.contextmanager
+def local_footer_readers(*paths: str | Path) -> Iterator[None]:
+    """One Parquet footer reader while every path is on the local disk, unless the user set ``FOOTER_READERS``.
+
+    Ray Data (datasource V2) lists a Parquet read by reading every file's footer
+    on a pool of actors, 32 by default, started for each read (the prompts, the
+    checkpoint a rerun loads) and sized for object storage. On a local disk one
+    reader does the work, and 32 worker processes cost ~40 s on a 2-core machine
+    (docs/ci.md). Ray reads the variable in the driver, where a read is planned,
+    when a read is built (``read_parquet``) and when it runs; set here for this block only.
+    """
+    if FOOTER_READERS in os.environ or any("://" in str(path) for path in paths):
+        yield
+        return
+    os.environ[FOOTER_READERS] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(FOOTER_READERS, None)
+
+
 def read_dataset(source: PromptsConfig):
     """The prompts as a Ray Dataset of two columns, ``id_field`` and ``text_field`` (a ``Read``: resumable)."""
     import ray.data
@@ -148,9 +174,10 @@ def read_dataset(source: PromptsConfig):
 def check_source(source: PromptsConfig) -> int:
     """A URI's prompts, checked through Ray Data before any engine starts: the fields exist; returns the count."""
     try:
-        dataset = read_dataset(source)
-        names = dataset.schema().names
-        count = dataset.count()
+        with local_footer_readers(source.path):
+            dataset = read_dataset(source)
+            names = dataset.schema().names
+            count = dataset.count()
     except Exception as error:
         raise BatchConfigError(f"prompts.path {source.path!r}: Ray Data cannot read it "
                                f"({type(error).__name__}: {error})") from None
@@ -459,7 +486,9 @@ def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO
         ticker = threading.Thread(target=_ticker, args=(progress, checkpoint, stop), daemon=True)
         ticker.start()
         try:
-            build_dataset(prepared, connect, clients).write_parquet(str(folder / DATA_DIR), min_rows_per_file=config.output.shard_size)
+            with local_footer_readers(config.prompts.path, checkpoint):
+                build_dataset(prepared, connect, clients).write_parquet(str(folder / DATA_DIR),
+                                                                        min_rows_per_file=config.output.shard_size)
         except Exception as error:  # an engine that kept dying, a worker lost beyond Ray Data's retries
             failure = f"{type(error).__name__}: {str(error)[:2000]}"
             logger.error("the Ray Data pipeline failed: %s", failure)

@@ -12,7 +12,8 @@ import pytest
 
 from nnsight_ray.batch.config import PromptsConfig, validate
 from nnsight_ray.batch.pipeline import (_ACTIVATION_ROW, _activation_encoder, _caster, _failed_values, _row_encoder,
-                                        _row_normalizer, check_output, committed_rows, remove_orphans)
+                                        _row_normalizer, check_output, committed_rows, local_footer_readers,
+                                        remove_orphans)
 
 
 def config(tmp_path, **sections):
@@ -59,6 +60,22 @@ def rows_as_written(rows, names):
            for row in rows]
     columns = {key: [row.get(key) for row in out] for key in dict.fromkeys(k for row in out for k in row)}
     return _caster("id")(pa.table(columns))
+
+
+def test_local_parquet_reads_use_one_footer_reader_unless_the_user_chose(monkeypatch, tmp_path):
+    """Ray Data starts 32 footer-reader actors per Parquet read unless told; local reads need one."""
+    import os
+
+    monkeypatch.delenv("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", raising=False)
+    with local_footer_readers(tmp_path / "p.parquet", str(tmp_path / "checkpoint")):
+        assert os.environ["RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"] == "1"
+    assert "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS" not in os.environ
+    with local_footer_readers("s3://bucket/prompts/", tmp_path / "checkpoint"):  # object storage: Ray's pool
+        assert "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS" not in os.environ
+    monkeypatch.setenv("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "8")
+    with local_footer_readers(tmp_path / "p.parquet"):
+        assert os.environ["RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"] == "8"
+    assert os.environ["RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"] == "8"
 
 
 def test_rows_have_one_schema_successes_and_failures_alike():
