@@ -1,19 +1,17 @@
-"""Prompts/s of the batch runner vs plain LocalVLLM loops, same model, saves and prompts.
+"""Prompts/s of a batch run (Ray Data) vs plain LocalVLLM loops and Ray Data LLM's plain processor.
 
-Three ways to get the same values (every decoder layer's last-token residual
+Ways to get the same values (every decoder layer's last-token residual
 stream and the logits, per prompt) for the same prompts:
 
 - ``local-loop``: one blocking ``LocalVLLM`` trace per prompt (nnsight's
   in-process engine, the way most notebooks do it);
 - ``local-chunk``: one blocking ``LocalVLLM`` trace per ``--chunk`` prompts,
   one invoke each (nnsight's batched form);
-- ``batch``: ``nnsight_ray.batch``'s hand-written runner (``run_batch``) on a
-  ``RayVLLM`` engine of the same layout (``--tp``/``--pp``) on an embedded Ray
-  cluster, with the runner's defaults (non-blocking traces of
-  ``runner.prompts_per_trace`` invokes, ``max_in_flight`` prompts in flight),
-  writing its Parquet shards and manifest as in any run;
-- ``data``: the command line's path, the same config as a Ray Data pipeline
-  (``pipeline.run_on_ray_data``) on the same engines by name (``--connect``):
+- ``data``: ``run_batch(config, engines=[...])``, the batch config as a Ray Data
+  pipeline (``pipeline.run_on_ray_data``) on running ``RayVLLM`` engines of the
+  same layout (``--tp``/``--pp``) on an embedded Ray cluster, by name (the
+  command line's ``--connect``), with the config's defaults (non-blocking traces
+  of ``runner.prompts_per_trace`` invokes, ``max_in_flight`` prompts in flight):
   its rows under ``data/`` with Ray Data's checkpoint, as in any run. Its time
   includes the pipeline's own start (a client actor attaching; no engine starts).
 
@@ -37,25 +35,24 @@ thread), ``build`` (the trace built and sent), ``engine`` (sent -> values and
 outputs back), ``rows`` and ``total``, and the batches in flight on average
 over the steady part (total batch-seconds x steady rate / prompts).
 
-Besides the whole run's prompts/s, ``batch``, ``data`` and ``plain`` get a
+Besides the whole run's prompts/s, ``data``, ``data-own`` and ``plain`` get a
 **steady** rate from the times their output files were written (prompts after
 the first file / time from the first file to the last): what a long run
-converges to, without each path's own start (the runner's is ~0; the Ray Data
-paths' is an actor's process start, attaching or an engine start, and Ray
-Data's planning).
+converges to, without each path's own start (an actor's process start,
+attaching or an engine start, and Ray Data's planning).
 
-The trace bodies are the runner's own (``interventions.read_saves`` over the
-resolved save list), so the three do the same work per prompt. Engine start-up
-is excluded from every number; each method runs ``--rounds`` times,
-interleaved (loop, chunk, batch, loop, ...) so load from other processes hits
-all alike, and the best round of each is reported with the median. The target
-is ``batch >= 0.9 x max(local-loop, local-chunk)``.
+The local trace bodies are the batch run's own (``interventions.read_saves``
+over the resolved save list), so every method does the same work per prompt.
+Engine start-up is excluded from every number but the ``-own`` and ``plain``
+whole-run rates; each method runs ``--rounds`` times, interleaved (loop,
+chunk, data, loop, ...) so load from other processes hits all alike, and the
+best round of each is reported with the median.
 
 Usage::
 
     python -m benchmarks.batch [--prompts N] [--rounds R] [--chunk C] [--tp T] [--pp P]
                                   [--nodes K] [--replicas N] [--prompts-per-trace K] [--max-in-flight W]
-                                  [--methods local-loop,local-chunk,batch,data,data-own,plain] [--clients N] [--arch A]
+                                  [--methods local-loop,local-chunk,data,data-own,plain] [--clients N] [--arch A]
                                   [--gpu-memory-utilization F] [--model-dir DIR] [--json PATH]
 
 On a GPU (the GPU host), engines take ``--gpu-memory-utilization`` each (the
@@ -175,19 +172,6 @@ def steady(files: list[Path], n: int) -> float | None:
     return (sum(rows for _, rows in stamped) - stamped[0][1]) / (stamped[-1][0] - stamped[0][0])
 
 
-def batch(engines, config_dict, out: Path, n: int) -> tuple[float, float | None]:
-    import io
-
-    from nnsight_ray.batch.config import validate
-    from nnsight_ray.batch.runner import run_batch
-
-    shutil.rmtree(out, ignore_errors=True)
-    config_dict = {**config_dict, "output": {"dir": str(out), "shard_size": BLOCK}}
-    result = run_batch(validate(config_dict), engines=engines, stream=io.StringIO(), interactive=False)
-    assert result.complete and result.prompts_run == n, result.summary()
-    return result.prompts_per_s, steady(list(out.glob("shard-*.parquet")), n)
-
-
 def data(engines, config_dict, out: Path, n: int, clients: int = 1) -> tuple[float, float | None, dict]:
     import io
 
@@ -296,7 +280,7 @@ def spy_data(engines, config_dict, out: Path, n: int, clients: int, seconds: flo
             print(f"[{name}] {raw.name}\n{spy_summary(raw, top)}", flush=True)
 
 
-METHODS = ("local-loop", "local-chunk", "batch", "data", "data-own", "data-own-1", "plain")
+METHODS = ("local-loop", "local-chunk", "data", "data-own", "data-own-1", "plain")
 
 
 def main() -> int:
@@ -310,7 +294,7 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=1, help="batch engine replicas")
     parser.add_argument("--prompts-per-trace", type=int, help="runner.prompts_per_trace (default: the runner's)")
     parser.add_argument("--max-in-flight", type=int, help="runner.max_in_flight (default: the runner's)")
-    parser.add_argument("--methods", default="local-loop,local-chunk,batch,data",
+    parser.add_argument("--methods", default="local-loop,local-chunk,data",
                         help=f"comma-separated, of {','.join(METHODS)}")
     parser.add_argument("--saves", choices=("all", "one"), default="all",
                         help="all: 4 layers' last-token residual + the logits; one: layer 1's (issue 51's form)")
@@ -377,7 +361,7 @@ def main() -> int:
         share = {"gpus_per_rank": args.gpu_memory_utilization}
         bundle = {"CPU": 1, "GPU": args.gpu_memory_utilization}
     else:
-        from nnsight_ray.batch.local_cluster import LocalCluster
+        from nnsight_ray._internal.cluster.local_cluster import LocalCluster
 
         cluster = LocalCluster(args.nodes, cpus_per_node=2, log_to_driver=False)
         share, bundle = {}, {"CPU": 1}
@@ -404,11 +388,10 @@ def main() -> int:
     rises: dict[str, list[float]] = {m: [] for m in methods}
     # Tokens a prompt costs the engine: its prompt tokens and the one generated token (max_tokens=1).
     tokens_per_prompt = (sum(len(ids) for ids in prepared_tokenizer(model_dir)(texts)["input_ids"]) / len(texts)) + 1
-    steadies: dict[str, list[float]] = {m: [] for m in methods if m.startswith(("batch", "data", "plain"))}
+    steadies: dict[str, list[float]] = {m: [] for m in methods if m.startswith(("data", "plain"))}
     runs = {
         "local-loop": lambda r: (local_loop(local, texts, fn), None),
         "local-chunk": lambda r: (local_chunk(local, texts, fn, args.chunk), None),
-        "batch": lambda r: batch(engines, config, work / f"out{r}", len(texts)),
         "data": lambda r: data(engines, config, work / f"data{r}", len(texts), args.clients),
         "data-own": lambda r: data(None, config, work / f"own{r}", len(texts)),
         "data-own-1": lambda r: data(None, {**config, "runner": {**config.get("runner", {}), "max_in_flight":
@@ -421,9 +404,7 @@ def main() -> int:
         # Warm-up: first traces pay lazy imports and allocations.
         if local is not None:
             local_loop(local, texts[:8], fn)
-        batch(engines, config, work / "warm", len(texts))
-        if "data" in methods:
-            data(engines, config, work / "warm-data", len(texts), args.clients)
+        data(engines, config, work / "warm-data", len(texts), args.clients)
         for r in range(args.rounds):
             for method in list(methods):
                 try:
@@ -491,12 +472,11 @@ def main() -> int:
                 flight = [r["in_flight"] for r in runs_ if "in_flight" in r]
                 print(f"  {key:<10} {cells}; {statistics.median(flight) if flight else float('nan'):.2f} in flight")
     ratio = None
-    if local is not None and "batch" in best:
-        ratio = best["batch"] / max(best.get("local-loop", 0), best.get("local-chunk", 0))
-        print(f"batch / best local = {ratio:.2f}x")
+    if local is not None and "data" in best:
+        ratio = best["data"] / max(best.get("local-loop", 0), best.get("local-chunk", 0))
+        print(f"data / best local = {ratio:.2f}x")
     ratios = {}
-    for a, b in (("data", "batch"), ("data", "plain"), ("data-own", "batch"), ("data-own", "plain"),
-                 ("data-own-1", "batch")):
+    for a, b in (("data", "plain"), ("data-own", "plain"), ("data-own", "data"), ("data-own-1", "data")):
         if results.get(a) and results.get(b):
             ratios[f"{a}/{b}"] = statistics.median(x / y for x, y in zip(results[a], results[b]))
         if steadies.get(a) and steadies.get(b):
@@ -509,7 +489,7 @@ def main() -> int:
                                                "rounds": results, "steady": steadies, "best": best,
                                                "median": median, "steady_median": steady_median,
                                                "tokens_per_prompt": tokens_per_prompt, "driver_peak_mb": peaks, "driver_rise_mb": rises,
-                                               "batch_over_local": ratio, "ratios": ratios, "stage": stage}, indent=2))
+                                               "data_over_local": ratio, "ratios": ratios, "stage": stage}, indent=2))
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

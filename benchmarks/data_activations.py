@@ -10,6 +10,11 @@ from the Ray Data stage, by whichever of two paths measures faster:
   stage would emit only the manifest rows (part, file, rows).
 - ``plain``: the same requests on the same ``RayVLLM`` as plain generation
   (nothing captured or written): the floor of ``rank``'s engine.
+- ``stage``: what a batch run does (``output.format: activations``):
+  ``nnsight_ray.data``'s processor in its activation mode, attached to the
+  same running ``RayVLLM`` by name (``engine_name``), a batch of ``--part``
+  prompts per part and every part in flight: the ranks write the files, the
+  stage emits one row per prompt naming them.
 - ``sink``: the values travel as Ray Data rows: ``nnsight_ray.data``'s
   processor with ``saves`` of ``tokens: all`` (one ``(tokens, hidden)`` array
   per prompt and location), ``flat_map`` to one row per token, and a
@@ -20,9 +25,10 @@ Same model, engine settings, prompts (``--prompts`` token-id prompts of
 ``--prompt-len`` tokens, one greedy token each) and locations (every decoder
 layer's output). Engine start-up is left out of both: ``rank`` runs on an
 engine already up (from its first ``extract_async`` to its last commit);
-``sink`` starts its engine inside the pipeline, so its seconds run from the
-start of its first batch's trace (a row's postprocess time less the trace's
-``time_taken_llm``) to the end of the last write task. GB/s is the bytes of
+``stage`` attaches a client actor and ``sink`` starts its engine inside the
+pipeline, so their seconds run from the start of the first batch's trace (a
+row's postprocess time less the trace's ``time_taken_llm``) to the last row
+(``stage``) or the end of the last write task (``sink``). GB/s is the bytes of
 tensor data in the files written over those seconds. Rounds alternate
 ``rank`` and ``sink``; medians are reported.
 
@@ -158,6 +164,28 @@ def sink_path(model_dir: str, prompts, locations, part: int, out: Path, engine: 
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
+def stage_path(model, model_dir: str, prompts, locations, part: int, out: Path) -> float:
+    """Seconds of the processor's activation mode on the running ``model``, first part's start to the last row."""
+    import ray
+
+    from nnsight_ray.data import NNsightEngineProcessorConfig, build_processor
+
+    parts = -(-len(prompts) // part)
+    config = NNsightEngineProcessorConfig(model_source=model_dir, engine_name=model.name, concurrency=1,
+                                          batch_size=part, max_concurrent_batches=parts,
+                                          activations={"dir": str(out), "locations": list(locations)})
+    processor = build_processor(
+        config, preprocess=lambda row: {"tokenized_prompt": row["ids"], "sampling_params": {"max_tokens": 1}},
+        postprocess=lambda row: {"index": row["index"], "error": row.get("__inference_error__"),
+                                 "started": time.time() - row["time_taken_llm"], "ended": time.time()},
+        builder_kwargs={"check": False})
+    source = ray.data.from_items([{"index": i, "ids": p} for i, p in enumerate(prompts)])
+    rows = processor(source.repartition(parts)).take_all()
+    failed = [row["error"] for row in rows if row["error"]]
+    assert len(rows) == len(prompts) and not failed, failed[:3]
+    return max(row["ended"] for row in rows) - min(row["started"] for row in rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=256)
@@ -187,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = token_prompts(args.prompts, args.prompt_len, model_config.vocab_size)
     layers = model_config.num_hidden_layers
     locations = [f"model.layers.{i}.output" for i in range(layers)]
-    results: dict[str, list[dict]] = {"rank": [], "sink": [], "plain": []}
+    results: dict[str, list[dict]] = {"rank": [], "stage": [], "sink": [], "plain": []}
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -201,11 +229,16 @@ def main(argv: list[str] | None = None) -> int:
             results["plain"].append({"seconds": rank_path(model, prompts, locations, args.part, None), "bytes": 0})
             results["rank"].append({"seconds": rank_path(model, prompts, locations, args.part, out),
                                     "bytes": tensor_bytes(out)})
+            out = scratch / f"stage-{round_}"
+            out.mkdir()
+            results["stage"].append({"seconds": stage_path(model, model_dir, prompts, locations, args.part, out),
+                                     "bytes": tensor_bytes(out)})
             out = scratch / f"sink-{round_}"
             out.mkdir()
             results["sink"].append({"seconds": sink_path(model_dir, prompts, locations, args.part, out, engine, gpus),
                                     "bytes": tensor_bytes(out)})
-            print(f"round {round_}: rank {results['rank'][-1]}, sink {results['sink'][-1]}", file=sys.stderr)
+            print(f"round {round_}: rank {results['rank'][-1]}, stage {results['stage'][-1]}, "
+                  f"sink {results['sink'][-1]}", file=sys.stderr)
     finally:
         model.shutdown()
         ray.shutdown()

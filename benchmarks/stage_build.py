@@ -35,7 +35,7 @@ def main() -> int:
     from nnsight_ray import RayVLLM
     from nnsight_ray.batch.config import SaveSpec
     from nnsight_ray.batch.interventions import reader, resolve_saves
-    from nnsight_ray.batch.local_cluster import LocalCluster
+    from nnsight_ray._internal.cluster.local_cluster import LocalCluster
     from nnsight_ray.data.stage import run_trace, trace_rows
     from nnsight_ray.models import ensure_model
 

@@ -191,7 +191,7 @@ def serve_ranks() -> list:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from nnsight_ray.batch.local_cluster import LocalCluster
+    from nnsight_ray._internal.cluster.local_cluster import LocalCluster
     from nnsight_ray.models import build_model
 
     folder = tempfile.mkdtemp(prefix="tenants-")

@@ -102,7 +102,7 @@ node_ports() {
 # second (~3 s for a killed raylet; Ray's defaults take ~13 s, over the 10 s in
 # which nnsight_ray fails every waiter of a deployment that lost a node). Only
 # the GCS reads these; the 2 s timeout is a margin against a starved raylet
-# (docs/clusters.md, "A lost node"; the same as nnsight_ray.batch.local_cluster).
+# (docs/clusters.md, "A lost node"; the same as nnsight_ray._internal.cluster.local_cluster).
 start_head() {
     # shellcheck disable=SC2046  # node_ports is a list of flags
     RAY_health_check_period_ms=1000 RAY_health_check_timeout_ms=2000 RAY_health_check_failure_threshold=3 \

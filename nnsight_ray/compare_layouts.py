@@ -304,7 +304,7 @@ def connect(args: argparse.Namespace):
     if args.address:
         ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
         return ray.shutdown
-    from .batch.local_cluster import LocalCluster
+    from ._internal.cluster.local_cluster import LocalCluster
 
     cluster = LocalCluster(args.local_nodes, cpus_per_node=args.cpus_per_node, log_to_driver=False)
     return cluster.shutdown

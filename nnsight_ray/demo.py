@@ -5,17 +5,18 @@ What it does, in order (all under ``--out``, default ``./runs/demo``):
 1. builds the project's seeded tiny Llama (4 layers, hidden 128) in ``model/``;
 2. writes 64 demo prompts to ``prompts.jsonl`` and the run config to ``batch.yaml``;
 3. starts an embedded Ray cluster of 3 raylets on 127.0.0.1 (three Ray nodes on
-   this one machine) and runs the batch with tensor parallelism 2 and
-   ``STRICT_SPREAD`` placement, so the two ranks sit on two different nodes;
-   every decoder layer's last-token residual stream and the logits are saved
-   to Parquet shards in ``shards/``;
+   this one machine), a ``RayVLLM`` engine with tensor parallelism 2 and
+   ``STRICT_SPREAD`` placement, so the two ranks sit on two different nodes,
+   and runs the batch on it as a Ray Data pipeline (``run_batch(config,
+   engines=[llm])``): every decoder layer's last-token residual stream and the
+   logits are saved as Parquet rows in ``run/data/``;
 4. renders ``logit_lens.png``: each layer's residual read through the model's
    final norm and unembedding (the logit lens), next to the per-layer
    residual-stream norms of all prompts; checks that the lens at the last
    layer reproduces the engine's own logits;
-5. prints where the shards, manifest and picture are.
+5. prints where the rows, manifest and picture are.
 
-Rerunning resumes (finished shards are kept; with all done, no engine starts);
+Rerunning resumes (Ray Data's checkpoint by prompt id: written rows are kept);
 ``--fresh`` starts over. The weights are random, so the lens shows how a
 prediction forms across layers mechanically, not anything linguistic.
 
@@ -95,18 +96,18 @@ def demo_config(out: Path, num_layers: int) -> dict[str, Any]:
         "saves": [{"location": f"model.layers.{i}.output", "tokens": "last"} for i in range(num_layers)]
         + [{"location": "logits", "tokens": "last"}],
         "sampling": {"max_tokens": 1, "temperature": 0.0},
-        "output": {"dir": str(out / "shards"), "shard_size": 16},
+        "output": {"dir": str(out / "run"), "shard_size": 16},
     }
 
 
 # --------------------------------------------------------------------------- the picture
 
 
-def _read_shards(shards: Path, names: list[str]) -> tuple[list[str], list[str], dict[str, Any]]:
+def _read_rows(run: Path, names: list[str]) -> tuple[list[str], list[str], dict[str, Any]]:
     import numpy as np
     import pyarrow.parquet as pq
 
-    table = pq.read_table(sorted(shards.glob("shard-*.parquet")))
+    table = pq.read_table(sorted((run / "data").glob("*.parquet"))).sort_by("id")
     ids = table.column("id").to_pylist()
     prompts = table.column("prompt").to_pylist()
     values = {}
@@ -118,7 +119,7 @@ def _read_shards(shards: Path, names: list[str]) -> tuple[list[str], list[str], 
 
 
 def render(out: Path, num_layers: int, shown: int = 16) -> tuple[Path, float]:
-    """Draw ``logit_lens.png`` from the shards; returns its path and the last-layer lens error."""
+    """Draw ``logit_lens.png`` from the run's rows; returns its path and the last-layer lens error."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,7 +130,7 @@ def render(out: Path, num_layers: int, shown: int = 16) -> tuple[Path, float]:
 
     model_dir = out / "model"
     layers = [f"model.layers.{i}.output" for i in range(num_layers)]
-    ids, prompts, values = _read_shards(out / "shards", layers + ["logits"])
+    ids, prompts, values = _read_rows(out / "run", layers + ["logits"])
     weights = load_file(str(model_dir / "model.safetensors"))
     eps = json.loads((model_dir / "config.json").read_text()).get("rms_norm_eps", 1e-6)
     norm_w, unembed = weights["model.norm.weight"], weights["lm_head.weight"]
@@ -173,7 +174,7 @@ def render(out: Path, num_layers: int, shown: int = 16) -> tuple[Path, float]:
 
     heat = right.imshow(norms, cmap="magma", aspect="auto")
     right.set_yticks(range(num_layers), [f"layer {i}" for i in range(num_layers)])
-    right.set_xlabel(f"prompt (all {len(ids)}, in file order)")
+    right.set_xlabel(f"prompt (all {len(ids)}, by id)")
     right.set_title("Residual-stream norm at the last token, per layer")
     fig.colorbar(heat, ax=right, fraction=0.046, pad=0.02, label="L2 norm")
     fig.suptitle(f"nnsight_ray demo: tiny Llama, TP={TENSOR_PARALLEL} over {NODES} Ray nodes "
@@ -196,7 +197,7 @@ def _label(prompt: str, width: int = 30) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nnsight_ray.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/demo", help="folder for everything the demo writes (default runs/demo)")
-    parser.add_argument("--fresh", action="store_true", help="delete earlier shards first instead of resuming")
+    parser.add_argument("--fresh", action="store_true", help="delete the earlier run first instead of resuming")
     parser.add_argument("--verbose", action="store_true", help="show the engines' and Ray workers' logs")
     args = parser.parse_args(argv)
 
@@ -210,17 +211,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     import yaml
 
     from .batch.__main__ import _logging
-    from .batch.local_cluster import LocalCluster
     from .batch.config import validate
-    from .batch.runner import run_batch
+    from ._internal.cluster.local_cluster import LocalCluster
+    from .batch.pipeline import CHECKPOINT_DIR, DATA_DIR, committed_rows, run_batch
+    from .batch.preflight import prepare
     from .models import ARCHITECTURES, ensure_model
 
     _logging(args.verbose)
     started = time.monotonic()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if args.fresh and (out / "shards").exists():
-        shutil.rmtree(out / "shards")
+    if args.fresh and (out / "run").exists():
+        shutil.rmtree(out / "run")
     num_layers = ARCHITECTURES["llama"].num_layers
 
     print(f"[1/4] tiny Llama checkpoint -> {out / 'model'}", flush=True)
@@ -228,28 +230,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_prompts(out / "prompts.jsonl")
     raw = demo_config(out, num_layers)
     (out / "batch.yaml").write_text(
-        "# Written by `python -m nnsight_ray.demo`, which runs it with run_batch(...) (resume: run the demo again).\n"
-        "# The same config on the command line (a Ray Data pipeline; an output folder of its own):\n"
+        "# Written by `python -m nnsight_ray.demo`, which runs it with run_batch(config, engines=[llm]) on a TP=2\n"
+        "# RayVLLM it starts (resume: run the demo again). The same config on the command line, where the run\n"
+        "# starts its own engine from the engine section (an output folder of its own):\n"
         f"#   nnsight-ray batch --config {out / 'batch.yaml'} --local-cluster {NODES} --set output.dir={out / 'rows'}\n"
         + yaml.safe_dump(raw, sort_keys=False)
     )
     config = validate(raw, str(out / "batch.yaml"))
+    prepared = prepare(config, str(out / "batch.yaml"))  # every input checked before the cluster starts
+    done = committed_rows(prepared.run_dir.path / CHECKPOINT_DIR) >= len(prepared.prompts)
 
     print(f"[2/4] Ray cluster: {NODES} raylets on 127.0.0.1", flush=True)
     cluster = LocalCluster(NODES, cpus_per_node=2, log_to_driver=args.verbose)
+    topology: list[dict[str, Any]] = []
     try:
-        print(f"[3/4] batch: {len(demo_prompts())} prompts, TP={TENSOR_PARALLEL} STRICT_SPREAD "
-              "(engine start-up takes about a minute)", flush=True)
-        result = run_batch(config, str(out / "batch.yaml"))
+        engines = []
+        if not done:  # a finished run starts no engine
+            from .ray_vllm import RayVLLM
+
+            print(f"[3/4] batch: {len(demo_prompts())} prompts on a RayVLLM engine, TP={TENSOR_PARALLEL} "
+                  "STRICT_SPREAD (engine start-up takes about a minute)", flush=True)
+            engine = config.engine
+            engines.append(RayVLLM(prepared.model_path, name="nnsight-ray-demo",
+                                   tensor_parallel_size=engine.tensor_parallel_size,
+                                   pipeline_parallel_size=engine.pipeline_parallel_size,
+                                   **engine.placement.model_dump(exclude_defaults=True), **engine.engine_kwargs))
+            topology = engines[0].topology()
+        else:
+            print("[3/4] batch: every prompt is done already (rerun with --fresh to start over)", flush=True)
+        try:
+            result = run_batch(config, prepared=prepared, engines=engines)
+        finally:
+            for llm in engines:
+                llm.shutdown()
     finally:
         cluster.shutdown()
     print(result.summary(), flush=True)
 
     print("[4/4] logit lens picture", flush=True)
     picture, lens_error = render(out, num_layers)
-    manifest = json.loads(result.manifest.read_text())
-    placed = [r for run in manifest.get("runs", []) for r in run.get("replicas", [])]
-    topology = placed[-1]["topology"] if placed else []
     nodes = sorted({t["node_id"] for t in topology if t.get("node_id")})
     elapsed = time.monotonic() - started
     print()
@@ -259,13 +278,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       sorted(topology, key=lambda t: t["rank"]))
               + f" ({len(nodes)} distinct Ray nodes)")
     print(f"  model:     {out / 'model'}")
-    print(f"  shards:    {result.output_dir}/shard-*.parquet ({result.shards_total} files, "
-          f"{result.prompts_total} rows)")
+    print(f"  rows:      {result.output_dir / DATA_DIR}/*.parquet ({result.prompts_done} of "
+          f"{result.prompts_total} prompts)")
     print(f"  manifest:  {result.manifest}")
     print(f"  picture:   {picture}")
     print(f"  check:     logit lens at the last layer vs the engine's logits, relative error {lens_error:.1e}")
     print(f"  rerun:     python -m nnsight_ray.demo --out {out}   (resumes; --fresh starts over)")
-    print(f"  on Ray Data: nnsight-ray batch --config {out / 'batch.yaml'} --local-cluster {NODES} "
+    print(f"  CLI:       nnsight-ray batch --config {out / 'batch.yaml'} --local-cluster {NODES} "
           f"--set output.dir={out / 'rows'}")
     return 0 if result.complete and lens_error < 1e-3 else 1
 

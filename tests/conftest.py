@@ -59,7 +59,7 @@ def ray_cluster():
     about 3 s (``local_cluster.HEALTH_CHECK``); ``add_node``/``remove_node``
     give a test a raylet of its own to lose (test_node_loss.py).
     """
-    from nnsight_ray.batch.local_cluster import LocalCluster
+    from nnsight_ray._internal.cluster.local_cluster import LocalCluster
 
     cluster = LocalCluster(4, cpus_per_node=4, head_cpus=2)
     yield cluster

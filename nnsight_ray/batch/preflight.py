@@ -3,8 +3,8 @@
 ``prepare`` reads the prompts, loads the intervention file or resolves every
 save location on nnsight's meta tree of the model (built from the config only,
 no weights), checks the engine arguments against vLLM's and the taps against the tree, builds the tiny test
-model if asked, picks the output format (``formats``), and refuses an output
-folder it cannot write or one written from other inputs. Every mistake a
+model if asked, and refuses an output folder it cannot write or one written
+from other inputs. Every mistake a
 config can hold fails here, in seconds, with the key or file named.
 """
 
@@ -19,10 +19,9 @@ from typing import Any, Callable
 
 from .config import BatchConfig
 from .errors import BatchConfigError
-from .formats import OutputFormat, output_format
 from .interventions import SaveRead, load_intervention, reader, resolve_saves
 from .prompts import Prompt, file_digest, read_prompts
-from .shards import RunDir, ShardPlan, check_writable, plan_shards
+from .run_dir import RunDir, check_writable
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +39,10 @@ class Prepared:
     config_file: str | None
     model_path: str
     prompts: list[Prompt]
-    plans: list[ShardPlan]
     fn: Callable[[Any, Any], dict[str, Any]]
-    columns: list[str]
     reads: tuple[SaveRead, ...]
     run_dir: RunDir
     previous: dict[str, Any] | None
-    output_format: OutputFormat
 
 
 def prepare(config: BatchConfig, config_file: str | None = None, resolve: bool = True) -> Prepared:
@@ -62,10 +58,8 @@ def prepare(config: BatchConfig, config_file: str | None = None, resolve: bool =
     check_writable(_abs(config.output.dir))
     if config.intervention:
         fn, code_digest = load_intervention(_abs(config.intervention))
-        columns: list[str] = []
     else:
         fn, code_digest = None, None
-        columns = [s.location for s in config.saves or []]
     model_path = _model_path(config) if resolve else str(config.model.path)
     reads: tuple[SaveRead, ...] = ()
     if resolve:
@@ -75,7 +69,7 @@ def prepare(config: BatchConfig, config_file: str | None = None, resolve: bool =
             reads = resolve_saves(module, config.saves)
     if fn is None:
         fn = reader(reads)
-    output = output_format(config)
+    output = config.output
     fingerprint = {
         "model": {"path": model_path, "build_arch": config.model.build_arch},
         "prompts": {"sha256": source.path if source.remote else file_digest(_abs(source.path)),
@@ -85,12 +79,13 @@ def prepare(config: BatchConfig, config_file: str | None = None, resolve: bool =
         "intervention_sha256": code_digest,
         "sampling": config.sampling.model_dump(),
         "shard_size": config.output.shard_size,
-        **output.fingerprint(),
+        # "generated" only when set: folders written before it existed still resume.
+        **({"format": "activations", "dtype": output.dtype, **({"generated": True} if output.generated else {})}
+           if config.activations else {}),
     }
     run_dir = RunDir(_abs(config.output.dir), fingerprint)
     previous = run_dir.check_compatible()
-    return Prepared(config, config_file, model_path, prompts, plan_shards(prompts, config.output.shard_size),
-                    fn, columns, reads, run_dir, previous, output)
+    return Prepared(config, config_file, model_path, prompts, fn, reads, run_dir, previous)
 
 
 def _abs(path: str) -> Path:

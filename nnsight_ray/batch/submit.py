@@ -4,7 +4,7 @@ The job runs ``python -m nnsight_ray.batch --config <config> [--set ...]`` on
 the cluster (Ray's ``JobSubmissionClient``: the same as ``ray job submit``).
 The config is validated here first, so a typo fails in a second on your
 machine instead of minutes into a job. Exit status: 0 when the job succeeded,
-1 when it failed or stopped (the run resumes from its shards when resubmitted),
+1 when it failed or stopped (the run resumes from its checkpoint when resubmitted),
 2 for a bad config.
 
 Usage::
@@ -29,7 +29,7 @@ Examples::
 Paths in the config are read where the job runs: with a working directory
 (default ``.``, uploaded by Ray, ``.gitignore`` respected) relative paths point
 into Ray's temporary copy of it, so keep ``output.dir`` absolute (or on shared
-storage): shards written inside that copy are lost when Ray cleans it up, and a
+storage): rows written inside that copy are lost when Ray cleans it up, and a
 resubmission would not find them to resume. The command warns when it is not.
 """
 
@@ -80,7 +80,7 @@ def check_config(args: argparse.Namespace) -> str | None:
         return None
     config = load_config(where, args.overrides)
     if not args.no_working_dir and not Path(config.output.dir).is_absolute():
-        return (f"warning: output.dir {config.output.dir!r} is relative: the shards would land in Ray's temporary "
+        return (f"warning: output.dir {config.output.dir!r} is relative: the rows would land in Ray's temporary "
                 "copy of the working directory and be lost for resuming; pass "
                 "--set output.dir=/absolute/or/shared/path")
     return None

@@ -21,11 +21,12 @@ save columns are None.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["ACTIVATION_COLUMNS", "ARRAY", "ERROR", "OUTPUT_COLUMNS", "activation_row", "describe_error",
+__all__ = ["ACTIVATION_COLUMNS", "ARRAY", "ERROR", "OUTPUT_COLUMNS", "activation_row", "describe_error", "error_info",
            "failure_row", "host_arrays", "many_columns", "request", "restore_arrays", "success_row", "to_columns",
            "with_arrays"]
 
@@ -198,10 +199,27 @@ def failure_row(idx: Any, error: str, names: list[str], batch_uuid: str) -> dict
     }
 
 
+_TYPED_MESSAGE = re.compile(r"^(\w+(?:\.\w+)*): (.*)$", re.S)
+
+
+def error_info(type_name: str, message: str, traceback: str | None = None) -> dict[str, Any]:
+    """``{"type", "message", "traceback"}``, unwrapping nnsight's ``RuntimeError("ValueError: ...")``."""
+    head, _, rest = message.partition("\n\nIntervention traceback:\n")
+    match = _TYPED_MESSAGE.match(head)
+    if type_name in ("RuntimeError", "RequestError") and match:
+        type_name, head = match.group(1).rsplit(".", 1)[-1], match.group(2)
+    elif match and match.group(1) == type_name:
+        head = match.group(2)
+    info = {"type": type_name, "message": head.strip()}
+    # The intervention's own traceback (inside nnsight's message) points at the
+    # user's line; the deferred one only at where it was re-raised.
+    if rest or traceback:
+        info["traceback"] = (rest or traceback).rstrip()
+    return info
+
+
 def describe_error(error: BaseException) -> str:
     """``"<Type>: <message>"`` of a row's failure; an intervention's own type and message, not nnsight's wrapper."""
-    from ..batch.replicas import error_info
-
     deferred = getattr(error, "deferred", None)  # an intervention's error: nnsight's wire form
     if isinstance(deferred, dict):
         info = error_info(deferred.get("type_name") or "Exception", deferred.get("message") or "",

@@ -4,7 +4,7 @@ A subclass of Ray Data LLM's offline processor config (``model_source``,
 ``batch_size``, ``concurrency``, ``should_continue_on_error``,
 ``max_concurrent_batches``, ``runtime_env``, ``accelerator_type``, ...), so
 ``ray.data.llm.build_processor`` takes it like its own (``processor``
-registers the builder). What it adds is what the batch runner's config has:
+registers the builder). What it adds is what the batch config has:
 ``engine_kwargs`` (vLLM's arguments, as they are), and exactly one of
 ``saves`` (``[{location, tokens}]``, the batch config's ``SaveSpec``) or
 ``intervention`` (``intervene(model, tracer) -> dict``: a callable, or a

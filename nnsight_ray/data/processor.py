@@ -11,7 +11,7 @@ engine stage (``map_batches`` on an actor pool; with rank actors, which is at
 TP x PP > 1, for an activation dataset, and whenever an actor takes several
 batches at once, each actor in a placement group of its own, see ``placement``), postprocess (a ``map``; the
 saved values reach it as ndarrays). Before anything is built, a preflight as
-the batch runner's (``batch.preflight``, ``batch.interventions``): vLLM's
+the batch config's (``batch.preflight``, ``batch.interventions``): vLLM's
 engine argument names, each save location on nnsight's meta tree of the model,
 or the intervention file loaded and checked; a mistake fails here, in seconds,
 not in an actor after an engine started.
@@ -35,7 +35,7 @@ __all__ = ["build_nnsight_engine_processor", "build_processor", "intervention_fn
 def intervention_fn(config: NNsightEngineProcessorConfig) -> Callable | None:
     """What each invoke calls for ``config.intervention``: ``run_intervention`` over the user's ``intervene``.
 
-    A ``.py`` path is loaded as the batch runner loads it (``load_intervention``:
+    A ``.py`` path is loaded as a batch run loads it (``load_intervention``:
     checked now; shipped by value, so the engines' nodes need no copy).
     """
     from ..batch.interventions import load_intervention, run_intervention

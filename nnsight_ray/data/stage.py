@@ -34,7 +34,7 @@ then names its files, its ``prompt_index`` in them and its row count. These
 batches wait on a pool of threads of their own (the tracing thread only
 submits), so ``max_concurrent_batches`` parts are in flight on an actor.
 
-A failure, as the batch runner isolates it (``batch.scheduler``): a trace of
+A failure: a trace of
 several rows that fails is run again one row per trace, so the failing row is
 found and every other row keeps its values; a single row's failure is that
 row's ``__inference_error__`` (``"<Type>: <message>"``) when
@@ -149,11 +149,44 @@ def extract_sampling(sampling: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 def is_fatal(error: BaseException) -> bool:
     """The engine (not the request) failed: the actor must go."""
+    import ray
     from ray.llm._internal.common.errors import VLLM_FATAL_ERRORS
 
-    from ..batch.replicas import classify
+    from ..errors import NNsightRayError
 
-    return isinstance(error, VLLM_FATAL_ERRORS) or classify(error) == "lost"
+    if isinstance(error, VLLM_FATAL_ERRORS):
+        return True
+    if isinstance(error, NNsightRayError) and not error.recoverable:
+        return True  # the engine is gone (EngineDeadError), not just this request
+    # object lost, owner died, actor died; a task's own error is the request's
+    return isinstance(error, ray.exceptions.RayError) and not isinstance(error, ray.exceptions.RayTaskError)
+
+
+def collect_commits(commits: list[Any], part: str) -> list[dict[str, Any]] | BaseException:
+    """What each writing rank wrote of ``part``: ``{"file", "rows", "bytes", "prompts"}``; the error if one failed."""
+    import ray
+
+    from .._internal.cluster.ray_errors import get as ray_get
+
+    try:
+        return [w for w in ray_get(commits) if w is not None]
+    except Exception as error:  # a rank died while writing
+        return error if isinstance(error, ray.exceptions.RayError) else RuntimeError(f"writing {part}: {error}")
+
+
+def part_rows(written: list[dict[str, Any]], indices: Sequence[int]) -> tuple[list[str], list[int | None]]:
+    """A committed part's file names (one per pipeline stage that wrote one) and each prompt's token rows in them.
+
+    A prompt's count is None when the writing ranks do not all hold the same rows of it (vLLM never ran it whole).
+    """
+    from pathlib import Path
+
+    files = [Path(w["file"]).name for w in written if w.get("file")]
+    counts: list[int | None] = []
+    for index in indices:
+        seen = {w["prompts"].get(index) for w in written}
+        counts.append(seen.pop() if len(seen) == 1 and None not in seen else None)
+    return files, counts
 
 
 @dataclass
@@ -314,7 +347,7 @@ class NNsightEngineStageUDF(StatefulStageUDF):
             results = self._trace(engine, [(prompt, sampling) for _, prompt, sampling in todo], arrived)
         except Exception as error:
             self._check(error)
-            # As the batch runner's scheduler: the failing row is found by running each alone.
+            # The failing row is found by running each alone.
             results = [error] if len(todo) == 1 else [self._alone(engine, prompt, sampling)
                                                       for _, prompt, sampling in todo]
         finished = time.perf_counter()
@@ -375,7 +408,7 @@ class NNsightEngineStageUDF(StatefulStageUDF):
                 results = self._extract(engine, prompts, sampling)
             except Exception as error:
                 self._check(error)
-                # As the batch runner: a refused prompt is found by running each alone, each in a part of its own.
+                # A refused prompt is found by running each alone, each in a part of its own.
                 results = [error] if len(todo) == 1 else [self._extract_alone(engine, p, sampling) for p in prompts]
             seconds = time.perf_counter() - started
             for (idx, _), result in zip(todo, results):
@@ -391,7 +424,6 @@ class NNsightEngineStageUDF(StatefulStageUDF):
     def _extract(self, engine: Engine, prompts: list[Any], sampling: dict[str, Any]) -> list[Any]:
         """One part: submitted, awaited, committed. Per prompt ``(files, index, rows, prompt ids, generated ids,
         text)``, or the error of a prompt the ranks hold no rows of; raises when the part failed."""
-        from ..batch.replicas import collect_commits, commit_extract, discard_extract, part_rows, submit_extract
         from ..errors import RequestError
 
         spec = self.activations
@@ -399,15 +431,17 @@ class NNsightEngineStageUDF(StatefulStageUDF):
         requests = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
         indices = list(range(len(prompts)))
         model = engine.model
-        ref = engine.thread.submit(submit_extract, model, requests, part, spec["dir"], spec["locations"],
-                                   indices, None if spec["dtype"] == "auto" else spec["dtype"], sampling,
-                                   spec["generated"]).result()
+        entry = model.vllm_entrypoint  # the ranks keep the part's rows until its commit writes them
+        ref = engine.thread.submit(entry.extract_async, requests, part, spec["dir"], spec["locations"],
+                                   indices=indices, dtype=None if spec["dtype"] == "auto" else spec["dtype"],
+                                   max_tokens=sampling["max_tokens"], temperature=sampling.get("temperature", 0.0),
+                                   generated=spec["generated"]).result()
         try:
-            outputs = model.vllm_entrypoint.wait(ref)
+            outputs = entry.wait(ref)
         except BaseException:
-            discard_extract(model, part)
+            entry.extract_discard(part)
             raise
-        written = collect_commits(commit_extract(model, part, spec["fsync"]), part)
+        written = collect_commits(entry.extract_commit(part, fsync=spec["fsync"]), part)
         if isinstance(written, BaseException):
             raise written
         files, counts = part_rows(written, indices)

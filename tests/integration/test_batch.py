@@ -1,20 +1,16 @@
-"""Batch runs end to end, on the session's Ray cluster and engines, checked against LocalVLLM.
+"""``run_batch(...)`` end to end, on the session's Ray cluster and engines, checked against LocalVLLM.
 
-- values in the shards equal ``LocalVLLM`` traces of the same prompts (TP=2 over
-  two Ray nodes, and through ``ray job submit`` on a ``ray start --head``
-  cluster this module starts and stops itself);
-- two replicas give the same rows as one;
-- a failing intervention is one prompt's error, the run goes on;
-- an engine dying under the run: its traces are retried elsewhere or its
-  shards reported, never dropped;
-- a driver killed under the runner takes its engine's actors and group with it (a killed run's resume on Ray
-  Data: test_batch_data.py, test_batch_activations.py);
+``run_batch`` builds the same Ray Data pipeline as the command line (test_batch_data.py,
+test_batch_activations.py), here on running ``RayVLLM`` deployments handed in (``engines=[...]``):
+
+- rows equal ``LocalVLLM`` traces of the same prompts (TP=2 over two Ray nodes, and through ``ray job submit``
+  on a ``ray start --head`` cluster this module starts and stops itself); a rerun runs nothing;
+- activation datasets in the model's dtype and float16, with generated tokens (greedy and sampled);
+- two engines give the same rows as one;
+- a failing or runaway intervention is one prompt's error, the run goes on;
+- a driver killed with engines of its own takes their actors and groups with it;
 - bad inputs (an output folder that cannot be written among them) fail before any engine starts;
 - the documented ``--local-cluster`` command, in a fresh process, and ``nnsight-ray submit``.
-
-Engines are the session's (``ray_tp1``, ``ray_tp2``), handed to the runner
-(``run_batch(..., engines=...)``), except in the ``ray job submit`` test and the
-killed-driver test, which start their own.
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ENGINE_KWARGS, assert_close
+from conftest import ENGINE_KWARGS, assert_close, committed_checkpoints
 from ray_head import free_ports, nnsight_ray_command, stop_processes, submit_batch
 
 pytestmark = pytest.mark.integration
@@ -78,7 +74,7 @@ def make_config(tmp_path: Path, model_dir: str, prompts: list[str], name: str = 
         "model": {"path": model_dir},
         "engine": {"engine_kwargs": dict(ENGINE_KWARGS)},
         "prompts": {"path": str(write_prompts(tmp_path / f"{name}-prompts.jsonl", prompts))},
-        # Listed out of model order on purpose: the runner reads them in execution order.
+        # Listed out of model order on purpose: the run reads them in execution order.
         "saves": [{"location": "logits"}, {"location": "model.layers.3.output"},
                   {"location": "model.layers.1.output", "tokens": "all"}, {"location": "model.layers.0.output"},
                   {"location": "model.layers.2.output"}],
@@ -91,8 +87,8 @@ def make_config(tmp_path: Path, model_dir: str, prompts: list[str], name: str = 
 
 
 def run(config_dict: dict, **kwargs):
+    from nnsight_ray.batch import run_batch
     from nnsight_ray.batch.config import validate
-    from nnsight_ray.batch.runner import run_batch
 
     stream = io.StringIO()
     result = run_batch(validate(config_dict), stream=stream, interactive=False, **kwargs)
@@ -100,12 +96,15 @@ def run(config_dict: dict, **kwargs):
 
 
 def rows(folder: Path) -> list[dict]:
+    """The run's rows, by prompt id."""
     import pyarrow.parquet as pq
 
-    out = []
-    for path in sorted(folder.glob("shard-*.parquet")):
-        out += pq.read_table(path).to_pylist()
-    return out
+    out = [row for path in sorted((folder / "data").glob("*.parquet")) for row in pq.read_table(path).to_pylist()]
+    return sorted(out, key=lambda row: int(row["id"][1:]))
+
+
+def errors_of(folder: Path) -> dict[str, dict]:
+    return {e["id"]: e for e in map(json.loads, (folder / "errors.jsonl").read_text().splitlines())}
 
 
 def value(row: dict, name: str) -> torch.Tensor:
@@ -123,11 +122,11 @@ def check_against_local(local, row: dict, saves: list[dict]) -> None:
 # --------------------------------------------------------------------------- values
 
 
-def test_shards_equal_local_traces_at_tp2(ray_tp2, local_llama, model_dir, tmp_path):
+def test_rows_on_a_running_tp2_engine_equal_local_traces(ray_tp2, local_llama, model_dir, tmp_path):
     config = make_config(tmp_path, model_dir, PROMPTS)
     result, log = run(config, engines=[ray_tp2])
-    assert result.complete and result.prompts_run == len(PROMPTS) and result.errors == 0
-    assert result.shards_written == 3 and "prompts/s" in log
+    assert result.complete and result.prompts_run == len(PROMPTS) and result.errors == 0, result.summary()
+    assert "prompts/s" in log and "on Ray Data" in result.summary()
 
     got = rows(tmp_path / "out")
     assert [r["id"] for r in got] == [f"q{i}" for i in range(len(PROMPTS))]
@@ -137,78 +136,56 @@ def test_shards_equal_local_traces_at_tp2(ray_tp2, local_llama, model_dir, tmp_p
     assert value(got[0], "model.layers.1.output").shape == (len("Hello, world!"), 128)
     assert value(got[0], "logits").shape == (99,)
 
-    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    manifest = json.loads(result.manifest.read_text())
     assert manifest["status"] == "complete" and manifest["counts"]["prompts_done"] == len(PROMPTS)
-    assert [s["ids"] for s in manifest["shards"]] == [[f"q{i}" for i in range(s, min(s + 4, 11))] for s in (0, 4, 8)]
     assert {"nnsight", "ray", "torch", "pyarrow"} <= set(manifest["versions"])
-    (replica,) = manifest["runs"][-1]["replicas"]
-    assert replica["name"] == "tp2" and len({t["node_id"] for t in replica["topology"]}) == 2
+    assert manifest["runs"][-1]["connected"] == ["tp2"]
     assert (tmp_path / "out" / "errors.jsonl").read_text() == ""
-    # a record names the files that exist, and only those
-    assert all((tmp_path / "out" / s["file"]).exists() and "files" not in s for s in manifest["shards"])
+    assert len(ray_tp2.topology()) == 2, "the engine handed in keeps running after the run"
 
     again, _ = run(config, engines=[ray_tp2])
-    assert again.prompts_run == 0 and again.shards_skipped == 3 and again.complete
+    assert again.prompts_run == 0 and again.prompts_skipped == len(PROMPTS) and again.complete
 
 
-def check_records(folder: Path, data: dict, prompts: int) -> None:
-    """Activation records name only files that exist, and say how many token rows each prompt has in them."""
-    manifest = json.loads((folder / "manifest.json").read_text())
-    for shard in manifest["shards"]:
-        assert "file" not in shard and shard["files"] and all((folder / name).exists() for name in shard["files"])
-        assert len(shard["tokens"]) == len(shard["ids"]) and sum(shard["tokens"]) == shard["rows"]
-    counts = [int((data["prompt_index"] == i).sum()) for i in range(prompts)]
-    assert [n for shard in manifest["shards"] for n in shard["tokens"]] == counts
-    assert sum(s["rows"] for s in manifest["shards"]) == len(data["token_ids"])
-
-
-def read_activations(folder: Path) -> dict[str, "numpy.ndarray"]:
-    """An activation run as a trainer reads it: manifest.json + safetensors + numpy, nothing of nnsight_ray."""
+def token_rows(folder: Path, row: dict) -> dict:
+    """One prompt's token rows of an activation run, as a trainer reads them: its row's files, safetensors, numpy."""
     import numpy
     from safetensors.numpy import load_file
 
-    manifest = json.loads((folder / "manifest.json").read_text())
-    parts = [load_file(str(folder / name)) for shard in manifest["shards"] for name in shard["files"]]
-    return {key: numpy.concatenate([p[key] for p in parts]) for key in parts[0]}
+    parts = [load_file(str(folder / name)) for name in row["files"]]
+    mine = [part["prompt_index"] == row["prompt_index"] for part in parts]
+    return {key: numpy.concatenate([part[key][m] for part, m in zip(parts, mine)]) for key in parts[0]}
 
 
 ACTIVATIONS = [{"location": "model.layers.3.output", "tokens": "all"},
                {"location": "model.layers.1.output", "tokens": "all"}]
 
 
-def test_activation_shards_equal_local_traces_at_tp2(ray_tp2, local_llama, model_dir, tmp_path):
-    """output.format=activations: token-major safetensors written by the ranks, equal to LocalVLLM's values."""
-    config = make_config(tmp_path, model_dir, PROMPTS, saves=ACTIVATIONS,
-                         output={"format": "activations"}, runner={})
+def test_activation_datasets_on_a_running_tp2_engine_equal_local_traces(ray_tp2, local_llama, model_dir, tmp_path):
+    """output.format=activations: token-major safetensors the ranks write, in the model's dtype or float16, and
+    with output.generated one row per generated token that ran, greedy or sampled."""
+    config = make_config(tmp_path, model_dir, PROMPTS[:4], saves=ACTIVATIONS, output={"format": "activations"},
+                         runner={})
     result, log = run(config, engines=[ray_tp2])
-    assert result.complete and result.prompts_run == len(PROMPTS) and result.errors == 0, log
-    assert result.shards_written == 3 and "shard-*.safetensors" in result.summary() and result.bytes_written > 0
-    out = tmp_path / "out"
-    assert sorted(p.name for p in out.glob("shard-*.safetensors")) == [f"shard-{i:05d}.safetensors" for i in range(3)]
-    data = read_activations(out)
-    assert data["model.layers.1.output"].dtype.name == "float32"  # the model's dtype ("auto")
-    assert data["prompt_index"].tolist() == sorted(data["prompt_index"].tolist())
-    for index, prompt in enumerate(PROMPTS):
-        rows = data["prompt_index"] == index
-        tokens = local_llama.tokenizer(prompt)["input_ids"]
-        assert data["token_ids"][rows].tolist() == tokens and data["position"][rows].tolist() == list(range(len(tokens)))
+    assert result.complete and result.prompts_run == 4 and result.errors == 0, log
+    assert result.activation_files and "activations/*.safetensors" in result.summary()
+    for row in rows(tmp_path / "out"):
+        data = token_rows(tmp_path / "out", row)
+        tokens = local_llama.tokenizer(row["prompt"])["input_ids"]
+        assert row["tokens"] == len(tokens) and data["token_ids"].tolist() == tokens
+        assert data["position"].tolist() == list(range(len(tokens)))
         for save in ACTIVATIONS:
-            assert_close(torch.from_numpy(data[save["location"]][rows]), reference(local_llama, prompt)[save["location"]])
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["columns"]["format"] == "activations"
-    check_records(out, data, len(PROMPTS))
+            assert data[save["location"]].dtype.name == "float32"  # the model's dtype ("auto")
+            assert_close(torch.from_numpy(data[save["location"]]), reference(local_llama, row["prompt"])[save["location"]])
 
-    again, _ = run(config, engines=[ray_tp2])
-    assert again.prompts_run == 0 and again.shards_skipped == 3 and again.complete
-
-    half = make_config(tmp_path, model_dir, PROMPTS[:4], name="half", saves=ACTIVATIONS[:1],
+    half = make_config(tmp_path, model_dir, PROMPTS[:2], name="half", saves=ACTIVATIONS[:1],
                        output={"format": "activations", "dtype": "float16"}, runner={})
     run(half, engines=[ray_tp2])
-    data = read_activations(tmp_path / "half")
+    row = rows(tmp_path / "half")[1]
+    data = token_rows(tmp_path / "half", row)
     assert data["model.layers.3.output"].dtype.name == "float16"
-    rows = data["prompt_index"] == 1
-    assert_close(torch.from_numpy(data["model.layers.3.output"][rows].astype("float32")),
-                 reference(local_llama, PROMPTS[1])["model.layers.3.output"], rel=2e-3)
+    assert_close(torch.from_numpy(data["model.layers.3.output"].astype("float32")),
+                 reference(local_llama, row["prompt"])["model.layers.3.output"], rel=2e-3)
 
     # output.generated: each prompt's rows, then one per generated token that ran (max_tokens 3: two, fewer where
     # decoding meets the end of sequence first), each equal to one prefill of the whole sequence in-process:
@@ -218,39 +195,35 @@ def test_activation_shards_equal_local_traces_at_tp2(ray_tp2, local_llama, model
                              output={"format": "activations", "generated": True}, runner={})
         result, log = run(config, engines=[ray_tp2])
         assert result.complete and result.errors == 0, log
-        data = read_activations(tmp_path / name)
-        for index, prompt in enumerate(PROMPTS[:3]):
-            rows = data["prompt_index"] == index
-            sequence = data["token_ids"][rows].tolist()
-            tokens = local_llama.tokenizer(prompt)["input_ids"]
+        for row in rows(tmp_path / name):
+            data = token_rows(tmp_path / name, row)
+            sequence = data["token_ids"].tolist()
+            tokens = local_llama.tokenizer(row["prompt"])["input_ids"]
             assert sequence[:len(tokens)] == tokens and len(tokens) <= len(sequence) <= len(tokens) + 2
-            assert data["position"][rows].tolist() == list(range(len(sequence)))
+            assert data["position"].tolist() == list(range(len(sequence))) and row["tokens"] == len(sequence)
             if name == "gen":
-                with local_llama.trace(prompt, temperature=0.0, max_tokens=3) as tracer:
+                with local_llama.trace(row["prompt"], temperature=0.0, max_tokens=3) as tracer:
                     greedy = tracer.result.save()
                 assert sequence == tokens + list(greedy.outputs[0].token_ids)[:-1]
             with local_llama.trace({"prompt_token_ids": sequence}, temperature=0.0, max_tokens=1):
                 out = local_llama.model.layers[3].output
                 want = (out[0] + out[1]).clone().save()
-            assert_close(torch.from_numpy(data["model.layers.3.output"][rows]), want)
-        check_records(tmp_path / name, data, 3)  # each prompt's tokens count its generated rows too
+            assert_close(torch.from_numpy(data["model.layers.3.output"]), want)
 
 
-def test_two_replicas_give_the_same_outputs_as_one(ray_tp1, ray_tp2, model_dir, tmp_path):
+def test_two_engines_give_the_same_rows_as_one(ray_tp1, ray_tp2, model_dir, tmp_path):
     prompts = [f"prompt {i}: " + "abcdefgh"[: i % 8] for i in range(24)]
     one = make_config(tmp_path, model_dir, prompts, name="one", runner={"max_in_flight": 4, "prompts_per_trace": 2})
     two = make_config(tmp_path, model_dir, prompts, name="two", runner={"max_in_flight": 4, "prompts_per_trace": 2})
     run(one, engines=[ray_tp1])
     result, _ = run(two, engines=[ray_tp1, ray_tp2])
     assert result.complete
+    assert json.loads(result.manifest.read_text())["runs"][-1]["connected"] == ["tp1", "tp2"]
     a, b = rows(tmp_path / "one"), rows(tmp_path / "two")
     assert [r["id"] for r in a] == [r["id"] for r in b] == [f"q{i}" for i in range(24)]
     for x, y in zip(a, b):
         for save in one["saves"]:
             assert_close(value(y, save["location"]), value(x, save["location"]))
-    served = [r["prompts_served"] for r in json.loads((tmp_path / "two" / "manifest.json").read_text())
-              ["runs"][-1]["replicas"]]
-    assert len(served) == 2 and all(n > 0 for n in served) and sum(served) == 24
 
 
 def test_a_runaway_intervention_fails_its_prompt_alone(ray_tp2, local_llama, model_dir, tmp_path):
@@ -269,11 +242,12 @@ def test_a_runaway_intervention_fails_its_prompt_alone(ray_tp2, local_llama, mod
     config = make_config(tmp_path, model_dir, prompts, saves=None, intervention=str(intervention))
     result, _ = run(config, engines=[ray_tp2])
     assert result.complete and result.errors == 1
-    errors = {e["id"]: e for e in map(json.loads, (tmp_path / "out" / "errors.jsonl").read_text().splitlines())}
+    errors = errors_of(tmp_path / "out")
     assert set(errors) == {"q1"} and errors["q1"]["type"] == "BlockTimeoutError"
     assert "block_timeout_s=5 " in errors["q1"]["message"]
     for row in rows(tmp_path / "out"):
         if row["id"] == "q1":
+            assert row["error"].startswith("BlockTimeoutError") and row.get("h2") is None
             continue
         with local_llama.trace(row["prompt"], temperature=0.0, max_tokens=1):
             h2 = local_llama.model.layers[2].output[0][-1].clone().save()
@@ -295,14 +269,13 @@ def test_failing_interventions_are_recorded_and_the_run_goes_on(ray_tp1, local_l
     result, _ = run(config, engines=[ray_tp1])
     assert result.complete and result.errors == 3
 
-    errors = {e["id"]: e for e in map(json.loads, (tmp_path / "out" / "errors.jsonl").read_text().splitlines())}
+    errors = errors_of(tmp_path / "out")
     assert set(errors) == {"q1", "q4", "q6"}
     assert errors["q1"]["type"] == "ValueError" and errors["q1"]["message"] == "seven tokens: 7"
-    assert "seven tokens" in errors["q1"]["traceback"] or "intervene" in errors["q1"]["traceback"]
-    assert "maximum context length" in errors["q6"]["message"]
+    assert re.search("maximum (context|model) length", errors["q6"]["message"]), errors["q6"]
     for row in rows(tmp_path / "out"):
         if row["id"] in errors:
-            assert row["error"].startswith(errors[row["id"]]["type"]) and row["h2"] is None
+            assert row["error"].startswith(errors[row["id"]]["type"]) and row.get("h2") is None
             continue
         want = reference(local_llama, row["prompt"])
         # layers[2].output[0] is the layer's hidden part (not the residual sum): compare via its own trace.
@@ -312,91 +285,24 @@ def test_failing_interventions_are_recorded_and_the_run_goes_on(ray_tp1, local_l
         assert value(row, "top").item() == want["logits"].argmax().item()
 
 
-# --------------------------------------------------------------------------- engine failures
+# --------------------------------------------------------------------------- a killed driver
 
 
-class _DeadEngine:
-    """An engine whose every trace comes back as a dead actor's: what a crashed deployment returns."""
-
-    name = "doomed"
-
-    def topology(self):
-        return []
-
-
-@pytest.fixture
-def doomed_refs(monkeypatch):
+def test_a_killed_driver_with_engines_of_its_own_leaves_no_actor_and_no_reservation(ray_cluster, model_dir,
+                                                                                       tmp_path):
+    """SIGKILL of a driver running ``run_batch`` with an engine of its own (an activation dataset: the engine's
+    ranks are actors, ``data-<id>``, in the Ray Data actor's placement group): Ray takes the pool's actors, the
+    engine and the group with the driver's job, as it takes a user's own ``RayVLLM`` (non-detached actors and
+    groups go with their owner). A rerun's resume: test_batch_data.py, test_batch_activations.py."""
     import ray
 
-    from nnsight_ray.batch import formats
+    def held() -> tuple[set[str], set[str]]:
+        actors = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("data-")}
+        groups = {key for key, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}
+        return actors, groups
 
-    @ray.remote(num_cpus=0)
-    class Victim:
-        def wait(self):
-            time.sleep(3600)
-
-    real = formats.submit_trace
-    submitted = []
-
-    def submit(model, texts, fn, sampling):
-        if isinstance(model, _DeadEngine):
-            victim = Victim.remote()
-            ref = victim.wait.remote()
-            ray.kill(victim)
-            submitted.append(len(texts))
-            return ref
-        return real(model, texts, fn, sampling)
-
-    monkeypatch.setattr(formats, "submit_trace", submit)  # how ParquetRows sends a chunk
-    return submitted
-
-
-def test_a_dead_engines_traces_are_retried_on_the_other_replica(doomed_refs, ray_tp1, local_llama, model_dir,
-                                                                 tmp_path):
-    config = make_config(tmp_path, model_dir, PROMPTS)
-    result, _ = run(config, engines=[_DeadEngine(), ray_tp1])
-    assert result.complete and doomed_refs, "the dead replica took work, and the run still finished"
-    got = rows(tmp_path / "out")
-    assert [r["id"] for r in got] == [f"q{i}" for i in range(len(PROMPTS))]
-    for row in got:
-        check_against_local(local_llama, row, config["saves"])
-    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    dead, alive = manifest["runs"][-1]["replicas"]
-    assert not dead["alive"] and dead["prompts_served"] == 0 and alive["prompts_served"] == len(PROMPTS)
-    assert max(s["attempts"] for s in manifest["shards"]) == 2
-
-
-def test_with_every_engine_dead_the_run_stops_and_a_rerun_finishes(doomed_refs, ray_tp1, model_dir, tmp_path):
-    from nnsight_ray.batch.errors import BatchRunError
-
-    config = make_config(tmp_path, model_dir, PROMPTS)
-    with pytest.raises(BatchRunError, match="every engine replica failed") as error:
-        run(config, engines=[_DeadEngine()])
-    result = error.value.result
-    assert not result.complete and sorted(result.failed_shards) == [0, 1, 2]
-    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert manifest["status"] == "incomplete" and manifest["pending_shards"] == [0, 1, 2]
-    assert not list((tmp_path / "out").glob("shard-*.parquet"))
-
-    result, _ = run(config, engines=[ray_tp1])
-    assert result.complete and [r["id"] for r in rows(tmp_path / "out")] == [f"q{i}" for i in range(len(PROMPTS))]
-
-
-# --------------------------------------------------------------------------- resume
-
-
-def test_a_killed_driver_that_started_its_engine_leaves_no_actor_and_no_reservation(ray_cluster, model_dir,
-                                                                                     tmp_path):
-    """SIGKILL of a batch driver that deployed its own engine: Ray takes its actors and rank group with it.
-
-    The batch driver deploys through ``RayVLLM.start_many``, as a user's own driver script deploys
-    ``RayVLLM``: this is also that case (test_ray_vllm.py had a script of its own for it, one more
-    engine start for the same mechanism: non-detached actors and groups go with their owner)."""
-    import ray
-
+    before = held()
     prompts = [f"orphan {i}" for i in range(400)]
-    # An activation dataset through run_batch(...) from Python, the hand-written runner's entry point (the CLI runs
-    # every run but --connect on Ray Data, whose actor pool is the driver's too: test_batch_data.py).
     config = make_config(tmp_path, model_dir, prompts, saves=ACTIVATIONS[:1], sampling={"max_tokens": 8},
                          output={"dir": str(tmp_path / "out"), "shard_size": 4, "format": "activations"},
                          runner={"max_in_flight": 4, "progress_interval_s": 1})
@@ -409,31 +315,22 @@ def test_a_killed_driver_that_started_its_engine_leaves_no_actor_and_no_reservat
               "run_batch(load_config(sys.argv[1]))\n")
     command = [sys.executable, "-c", script, str(path), ray_cluster.address]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = tmp_path / "out"
     log = tmp_path / "driver.log"
     with open(log, "wb") as handle:
         driver = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
-
-    def held(prefix: str) -> tuple[list[str], list[str]]:
-        actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-        groups = [pg["name"] for pg in ray.util.placement_group_table().values()
-                  if (pg.get("name") or "").startswith(prefix) and pg["state"] != "REMOVED"]
-        return actors, groups
-
     try:
         deadline = time.monotonic() + 400
-        while not re.search(r"batch: [1-9]\d*/400 prompts", log.read_text()):  # its engine is up and serving
+        while not committed_checkpoints(tmp_path / "out"):  # its engine is up and has written a part
             assert driver.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "no prompt done in 400 s: " + log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "no part committed in 400 s: " + log.read_text()[-2000:]
             time.sleep(0.2)
-        prefix = f"batch-{json.loads((out / 'manifest.json').read_text())['runs'][-1]['id']}-"
-        actors, groups = held(prefix)
-        assert actors and groups, f"the driver's engine is not where it was looked for: {actors}, {groups}"
+        actors, groups = (new - old for new, old in zip(held(), before))
+        assert actors and groups, f"the driver's engine is not where it was looked for: {held()}"
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=60)
         deadline = time.monotonic() + 60
-        while any(held(prefix)):
-            assert time.monotonic() < deadline, f"left behind 60 s after the driver died: {held(prefix)}"
+        while (actors | groups) & set().union(*held()):
+            assert time.monotonic() < deadline, f"left behind 60 s after the driver died: {held()}"
             time.sleep(1)
     finally:
         if driver.poll() is None:  # a failed check above must not leave a driver running
@@ -447,12 +344,12 @@ def test_a_killed_driver_that_started_its_engine_leaves_no_actor_and_no_reservat
 @pytest.fixture
 def no_engines(monkeypatch):
     from nnsight_ray._internal import deploy
-    from nnsight_ray.batch import runner
+    from nnsight_ray.batch import pipeline
 
     def refuse(*args, **kwargs):
         raise AssertionError("an engine was started")
 
-    monkeypatch.setattr(runner, "start_replicas", refuse)
+    monkeypatch.setattr(pipeline, "run_on_ray_data", refuse)
     monkeypatch.setattr(deploy, "launch", refuse)
 
 
@@ -572,25 +469,25 @@ def test_check_refuses_an_output_folder_below_a_file_with_exit_code_2(model_dir,
     assert str(tmp_path / "afile" / "out") in done.stderr and "manifest.json" not in done.stderr
 
 
-def test_the_output_format_is_chosen_once_from_the_config(model_dir, tmp_path):
-    """One object per output format; the run's fingerprint keys are those it had before there were objects
-    (a folder written then still resumes)."""
+def test_a_folder_resumes_only_for_the_same_output_settings(model_dir, tmp_path):
+    """The run's fingerprint holds an activation dataset's format, dtype and (when set) ``generated``: a folder of
+    other settings is refused, not mixed; a Parquet run's fingerprint has none of them (older folders resume)."""
     from nnsight_ray.batch.config import validate
-    from nnsight_ray.batch.formats import ActivationDatasets, ParquetRows, output_format
+    from nnsight_ray.batch.errors import BatchConfigError
+    from nnsight_ray.batch.preflight import prepare
 
-    parquet = output_format(validate(make_config(tmp_path, model_dir, PROMPTS)))
-    assert isinstance(parquet, ParquetRows) and parquet.suffix == "parquet" and parquet.fingerprint() == {}
-    assert parquet.chunk_size() == 3  # runner.prompts_per_trace
-    activations = output_format(validate(make_config(tmp_path, model_dir, PROMPTS, saves=ACTIVATIONS,
-                                                     output={"format": "activations", "dtype": "float16"},
-                                                     runner={})))
-    assert isinstance(activations, ActivationDatasets) and activations.suffix == "safetensors"
-    assert activations.fingerprint() == {"format": "activations", "dtype": "float16"}
-    assert activations.chunk_size() == 4  # a whole shard
-    generated = output_format(validate(make_config(tmp_path, model_dir, PROMPTS, saves=ACTIVATIONS,
-                                                   sampling={"max_tokens": 3}, runner={},
-                                                   output={"format": "activations", "generated": True})))
-    assert generated.fingerprint() == {"format": "activations", "dtype": "auto", "generated": True}
+    parquet = prepare(validate(make_config(tmp_path, model_dir, PROMPTS)), resolve=False)
+    assert not {"format", "dtype", "generated"} & set(parquet.run_dir.fingerprint)
+    half = prepare(validate(make_config(tmp_path, model_dir, PROMPTS, saves=ACTIVATIONS, runner={},
+                                        output={"format": "activations", "dtype": "float16"})), resolve=False)
+    assert {k: half.run_dir.fingerprint[k] for k in ("format", "dtype")} == {"format": "activations",
+                                                                              "dtype": "float16"}
+    assert "generated" not in half.run_dir.fingerprint
+    half.run_dir.prepare()
+    half.run_dir.write_atomic(half.run_dir.manifest_path, json.dumps({"fingerprint": half.run_dir.fingerprint}).encode())
+    with pytest.raises(BatchConfigError, match=r"different inputs \(changed: dtype, generated, sampling\)"):
+        prepare(validate(make_config(tmp_path, model_dir, PROMPTS, saves=ACTIVATIONS, sampling={"max_tokens": 3},
+                                     runner={}, output={"format": "activations", "generated": True})), resolve=False)
 
 
 def test_local_cluster_keeps_ray_on_loopback_before_the_preflight_imports_it(monkeypatch, model_dir, tmp_path):
@@ -671,7 +568,7 @@ def head_node():
            # A loopback-only test cluster: no token auth, whatever ~/.ray/auth_token holds
            # (Ray 2.60 turns it on for `ray start` when that file exists).
            "RAY_AUTH_MODE": "disabled",
-           # How long the raylet waits for its agents (nnsight_ray.batch.local_cluster).
+           # How long the raylet waits for its agents (nnsight_ray._internal.cluster.local_cluster).
            "RAY_raylet_start_wait_time_s": "120"}
     env.pop("RAY_ADDRESS", None)
     needles = [temp_dir]
@@ -700,7 +597,7 @@ def head_node():
         subprocess.run(["rm", "-rf", temp_dir], check=False)
 
 
-def test_ray_job_submit_writes_shards_equal_to_local_traces(head_node, local_llama, model_dir, tmp_path):
+def test_ray_job_submit_writes_rows_equal_to_local_traces(head_node, local_llama, model_dir, tmp_path):
     prompts = PROMPTS[:6]
     config = make_config(tmp_path, model_dir, prompts, engine={"replicas": 1, "placement_strategy": "PACK"},
                          runner={"max_in_flight": 4, "prompts_per_trace": 2, "progress_interval_s": 1})

@@ -77,7 +77,7 @@ def test_read_prompts_through_ray_data(ray_cluster, tmp_path):
 
     from nnsight_ray.batch.config import PromptsConfig
     from nnsight_ray.batch.errors import BatchConfigError
-    from nnsight_ray.batch.pipeline import check_source, local_footer_readers, read_dataset
+    from nnsight_ray.batch.sources import check_source, local_footer_readers, read_dataset
 
     (tmp_path / "p.txt").write_text("first\n\n third\n")
     (tmp_path / "p.jsonl").write_text('{"key": "a", "text": "x", "other": 1}\n{"key": "b", "text": "y", "other": 2}\n')

@@ -46,7 +46,7 @@ def run(config, path, keep):
     import ray
     from ray.data.llm import build_processor
 
-    from nnsight_ray.batch.pipeline import local_footer_readers
+    from nnsight_ray.batch.sources import local_footer_readers
     from nnsight_ray.data import NNsightEngineProcessorConfig  # noqa: F401  (registers the builder)
 
     processor = build_processor(

@@ -63,7 +63,7 @@ def test_a_tp2_pp2_engine_equals_local_traces_and_leaves_nothing(ray_cluster, re
     import ray
     from ray.data.llm import build_processor
 
-    from nnsight_ray.batch.pipeline import local_footer_readers
+    from nnsight_ray.batch.sources import local_footer_readers
     from nnsight_ray.data import NNsightEngineProcessorConfig
 
     layout, strategy = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "SPREAD"
@@ -126,7 +126,7 @@ def test_an_autoscaling_pool_starts_a_second_engine_and_leaves_nothing(ray_clust
     import ray.data
     from ray.data.llm import build_processor
 
-    from nnsight_ray.batch.pipeline import local_footer_readers
+    from nnsight_ray.batch.sources import local_footer_readers
     from nnsight_ray.data import NNsightEngineProcessorConfig
 
     prompts = [f"{word} number {i}" for i, word in enumerate(["Hello", "Ray", "vLLM", "abc"] * 6)]

@@ -21,9 +21,8 @@ from nnsight_ray.batch.interventions import SaveRead, load_intervention, resolve
 from nnsight_ray.batch.preflight import prepare
 from nnsight_ray.batch.progress import Progress
 from nnsight_ray.batch.prompts import Prompt, read_prompts
-from nnsight_ray.batch.replicas import error_info
-from nnsight_ray.batch.scheduler import Scheduler
-from nnsight_ray.batch.shards import RunDir, plan_shards
+from nnsight_ray.batch.run_dir import RunDir
+from nnsight_ray.data.columns import error_info
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH_DEMO = ROOT / "cluster_configs" / "batch-demo.yaml"
@@ -148,14 +147,6 @@ def test_activations_defaults_keep_a_gpu_engine_busy(tmp_path):
             validate({**minimal(tmp_path), "output": {"dir": str(tmp_path / "o"), **setting}})
     data.update(sampling={"max_tokens": 8}, output={**data["output"], "generated": True})
     assert validate(data).output.generated
-
-
-def test_activation_part_names():
-    from nnsight_ray.batch.replicas import part_name
-
-    assert part_name(3, range(8), 8) == "shard-00003"
-    assert part_name(3, (5,), 8) == "shard-00003-p000005"  # a prompt retried alone
-    assert part_name(0, (0,), 1) == "shard-00000"
 
 
 def test_rank_capture_reads_the_residual_stream():
@@ -373,139 +364,27 @@ def test_nnsight_error_messages_are_unwrapped():
     assert error_info("ValueError", "prompt too long")["message"] == "prompt too long"
 
 
-# --------------------------------------------------------------------------- scheduler
-
-
-def plans(n: int, shard_size: int):
-    return plan_shards([Prompt(f"p{i}", f"text {i}") for i in range(n)], shard_size)
-
-
-def drain(scheduler: Scheduler, room: int = 100) -> list:
-    chunks = []
-    while (chunk := scheduler.next_chunk(room)) is not None:
-        chunks.append(chunk)
-    return chunks
-
-
-def test_chunks_cover_each_prompt_once_and_shards_complete_in_order():
-    scheduler = Scheduler(plans(10, 4), prompts_per_trace=3, shard_retries=0)
-    assert scheduler.next_chunk(2) is None, "a chunk that does not fit the window waits"
-    finished, seen = [], []
-    while not scheduler.done:
-        chunk = scheduler.next_chunk(3)
-        seen += [(chunk.shard, p) for p in chunk.positions]
-        state = scheduler.succeeded(chunk, [{"v": p} for p in chunk.positions])
-        if state:
-            finished.append((state.plan.index, sorted(state.rows)))
-    assert sorted(seen) == sorted(set(seen)) and len(seen) == 10
-    assert [f[0] for f in finished] == [0, 1, 2] and finished[2][1] == ["p8", "p9"]
-
-
-def test_a_failing_trace_is_split_until_the_failing_prompt_is_found():
-    scheduler = Scheduler(plans(4, 4), prompts_per_trace=4, shard_retries=0)
-    (chunk,) = drain(scheduler)
-    assert scheduler.request_failed(chunk, {"type": "ValueError", "message": "x"}) is None
-    singles = drain(scheduler)
-    assert [c.positions for c in singles] == [(0,), (1,), (2,), (3,)]
-    for c in singles[:3]:
-        scheduler.succeeded(c, [{"v": 1}])
-    state = scheduler.request_failed(singles[3], {"type": "ValueError", "message": "bad", "traceback": "tb"})
-    assert state is not None and scheduler.done
-    assert state.errors == [{"id": "p3", "type": "ValueError", "message": "bad", "traceback": "tb"}]
-    assert state.rows["p3"]["error"] == "ValueError: bad" and state.rows["p0"]["error"] is None
-
-
-def test_lost_chunks_are_retried_then_their_shard_fails_never_dropped():
-    scheduler = Scheduler(plans(8, 4), prompts_per_trace=2, shard_retries=1)
-    first = [scheduler.next_chunk(2), scheduler.next_chunk(2)]  # shard 0's two chunks
-    assert {c.shard for c in first} == {0}
-    for c in first:
-        assert scheduler.lost(c, "engine A died") is None
-    again = [scheduler.next_chunk(2), scheduler.next_chunk(2)]
-    assert sorted(c.positions for c in again) == sorted(c.positions for c in first), "requeued at the front"
-    assert scheduler.lost(again[0], "engine B died") == 0, "a second failure exceeds shard_retries=1"
-    assert scheduler.succeeded(again[1], [{}, {}]) is None, "results of a failed shard are ignored"
-    assert 0 in scheduler.failed and "2 engine failures" in scheduler.failed[0]
-    rest = drain(scheduler)
-    assert {c.shard for c in rest} == {1}
-    for c in rest:
-        scheduler.succeeded(c, [{}] * len(c))
-    assert scheduler.done
-
-
-def test_abandon_fails_every_unfinished_shard():
-    scheduler = Scheduler(plans(12, 4), prompts_per_trace=4, shard_retries=3)
-    scheduler.succeeded(scheduler.next_chunk(4), [{}] * 4)
-    scheduler.next_chunk(4)
-    assert scheduler.abandon("no engine left") == [1, 2] and scheduler.done
-
-
-def test_missing_values_become_row_errors():
-    scheduler = Scheduler(plans(2, 2), prompts_per_trace=2, shard_retries=0)
-    state = scheduler.succeeded(scheduler.next_chunk(2), [{"a": 1}, None])
-    assert state.errors[0]["id"] == "p1" and state.errors[0]["type"] == "MissingValues"
-
-
-# --------------------------------------------------------------------------- shards
+# --------------------------------------------------------------------------- the run folder
 
 
 def fingerprint(**extra):
     return {"model": {"path": "m"}, "shard_size": 2, **extra}
 
 
-def test_shards_round_trip_with_shapes_errors_and_metadata(tmp_path):
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    from nnsight_ray.batch.shards import ShardRecord
-
+def test_a_folder_resumes_only_for_the_same_inputs(tmp_path):
     run = RunDir(tmp_path / "out", fingerprint())
+    assert run.check_compatible() is None  # nothing there yet
     run.prepare()
-    (plan,) = plans(2, 2)
-    rows = {
-        "p0": {"error": None, "values": {"h": torch.arange(6.0).reshape(2, 3), "s": 2.5,
-                                         "b": torch.ones(2, dtype=torch.bfloat16)}},
-        "p1": {"error": "ValueError: bad", "values": None,
-               "error_info": {"type": "ValueError", "message": "bad"}},
-    }
-    record = run.write_shard(plan, rows, ["h"], ShardRecord(0, plan.file, plan.ids, 2,
-                                                           errors=[{"id": "p1", "type": "ValueError"}]))
-    table = pq.read_table(tmp_path / "out" / plan.file)
-    assert table.column_names == ["id", "prompt", "error", "h", "h.shape", "s", "s.shape", "b", "b.shape"]
-    row0, row1 = table.to_pylist()
-    assert np.array_equal(np.reshape(row0["h"], row0["h.shape"]), np.arange(6.0).reshape(2, 3))
-    assert row0["s"] == [2.5] and row0["s.shape"] == [] and row0["b"] == [1.0, 1.0]
-    assert row1["h"] is None and row1["error"] == "ValueError: bad"
-    assert not list((tmp_path / "out").glob("*.tmp-*"))
-    assert run.finished(plans(2, 2)) == {0: record}
-
-    run.write_manifest({"status": "complete"}, {0: record})
-    manifest = json.loads(run.manifest_path.read_text())
-    assert manifest["shards"][0]["ids"] == ["p0", "p1"] and manifest["fingerprint"] == fingerprint()
-    assert [json.loads(line) for line in run.errors_path.read_text().splitlines()] == [
-        {"shard": 0, "id": "p1", "type": "ValueError"}]
-
-
-def test_resume_only_trusts_shards_of_the_same_inputs(tmp_path):
-    from nnsight_ray.batch.shards import ShardRecord
-
-    run = RunDir(tmp_path, fingerprint())
-    run.prepare()
-    plan0, plan1 = plans(4, 2)
-    rows = {p.id: {"error": None, "values": {"x": 1.0}} for p in plan0.prompts}
-    record = run.write_shard(plan0, rows, [], ShardRecord(0, plan0.file, plan0.ids, 2))
-    run.write_manifest({}, {0: record})
-    (tmp_path / plan1.file).write_bytes(b"half a parquet file")
-    (tmp_path / "shard-00009.parquet.tmp-host-1-2").write_bytes(b"partial")
-    assert set(run.finished([plan0, plan1])) == {0}, "a corrupt file is redone"
-    assert run.check_compatible() is not None
-    RunDir(tmp_path, fingerprint()).prepare()
-    assert not list(tmp_path.glob("*.tmp-*")), "stale temporary files are removed"
-    assert set(RunDir(tmp_path, fingerprint()).finished(plans(4, 2))) == {0}
-    reshuffled = plan_shards([Prompt("p1", "a"), Prompt("p0", "b")], 2)
-    assert RunDir(tmp_path, fingerprint()).finished(reshuffled) == {}, "other ids in the same shard: redone"
+    (run.path / "manifest.json.tmp-host-1-2").write_bytes(b"partial")
+    run.write_atomic(run.manifest_path, json.dumps({"fingerprint": fingerprint()}).encode())
+    assert run.check_compatible() == {"fingerprint": fingerprint()}
+    RunDir(tmp_path / "out", fingerprint()).prepare()
+    assert not list(run.path.glob("*.tmp-*")), "stale temporary files are removed"
     with pytest.raises(BatchConfigError, match=r"different inputs \(changed: shard_size\)"):
-        RunDir(tmp_path, fingerprint(shard_size=3)).check_compatible()
+        RunDir(tmp_path / "out", fingerprint(shard_size=3)).check_compatible()
+    run.manifest_path.write_text("{half")
+    with pytest.raises(BatchConfigError, match="manifest.json is unreadable"):
+        run.check_compatible()
 
 
 # --------------------------------------------------------------------------- progress, CLI
@@ -561,29 +440,14 @@ def test_activation_files_are_safetensors_written_from_pieces(tmp_path):
     assert not safetensors_complete(str(path)) and not safetensors_complete(str(tmp_path / "missing"))
 
 
-def test_activations_refuse_an_engine_whose_ranks_cannot_write(tmp_path):
-    """A LocalVLLM (no rank actors) handed to an activations run is refused before any prompt is sent."""
+def test_run_batch_refuses_an_engine_that_is_not_a_ray_deployment(tmp_path):
+    """Ray Data's actors attach to engines by name: a LocalVLLM (in this process) is refused before anything runs."""
     from types import SimpleNamespace
 
-    from nnsight_ray.batch.runner import BatchRunner
+    from nnsight_ray.batch import run_batch
 
-    data = {**minimal(tmp_path), "saves": ACTIVATION_SAVES}
-    data["output"] = {**data["output"], "format": "activations"}
-    local = SimpleNamespace(name="local", vllm_entrypoint=SimpleNamespace(generate=None))
-    runner = BatchRunner(prepare(validate(data), resolve=False), engines=[local], stream=io.StringIO())
-    with pytest.raises(BatchConfigError, match="needs RayVLLM engines"):
-        runner.run()
-    assert runner.prompts_run == 0
-
-
-def test_activation_requests_are_sampled_as_the_config_says():
-    """output.generated: the generated tokens follow `sampling` (the rows are of whatever was sampled)."""
-    from types import SimpleNamespace
-
-    from nnsight_ray.batch.replicas import submit_extract
-
-    asked = {}
-    engine = SimpleNamespace(extract_async=lambda *args, **kwargs: asked.update(kwargs) or "ref")
-    ref = submit_extract(SimpleNamespace(vllm_entrypoint=engine), ["p"], "shard-00000", "/d", ["model.layers.1.output"],
-                         [0], None, {"max_tokens": 5, "temperature": 0.7}, generated=True)
-    assert ref == "ref" and asked["max_tokens"] == 5 and asked["temperature"] == 0.7 and asked["generated"] is True
+    local = SimpleNamespace(vllm_entrypoint=SimpleNamespace(generate=None))
+    prepared = prepare(validate(minimal(tmp_path)), resolve=False)
+    with pytest.raises(BatchConfigError, match="LocalVLLM"):
+        run_batch(prepared.config, engines=[local], prepared=prepared)
+    assert not (tmp_path / "out").exists()

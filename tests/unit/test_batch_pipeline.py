@@ -12,8 +12,8 @@ import pytest
 
 from nnsight_ray.batch.config import PromptsConfig, validate
 from nnsight_ray.batch.pipeline import (_ACTIVATION_ROW, _activation_encoder, _caster, _failed_values, _row_encoder,
-                                        _row_normalizer, check_output, committed_rows, local_footer_readers,
-                                        remove_orphans)
+                                        _row_normalizer, check_output, committed_rows, remove_orphans)
+from nnsight_ray.batch.sources import local_footer_readers
 
 
 def config(tmp_path, **sections):
@@ -180,7 +180,7 @@ def test_files_no_row_names_are_removed_and_missing_ones_reported(tmp_path):
 
 
 def test_orphans_are_removed_only_after_a_complete_run(tmp_path):
-    from nnsight_ray.batch.pipeline import DataRunResult, _settle_files
+    from nnsight_ray.batch.pipeline import BatchResult, _settle_files
 
     (tmp_path / "data").mkdir()
     (tmp_path / "activations").mkdir()
@@ -188,15 +188,15 @@ def test_orphans_are_removed_only_after_a_complete_run(tmp_path):
                    tmp_path / "data" / "x_0.parquet")
     for name in ("p1.safetensors", "p0.safetensors"):
         (tmp_path / "activations" / name).write_bytes(b"x")
-    unfinished = DataRunResult(tmp_path, 2, 0, 1, 0, 0, 1.0)
+    unfinished = BatchResult(tmp_path, 2, 0, 1, 0, 0, 1.0)
     _settle_files(unfinished)  # p0 may be a part whose rows are not written yet
     assert (tmp_path / "activations" / "p0.safetensors").exists() and unfinished.activation_files is None
-    done = DataRunResult(tmp_path, 1, 0, 1, 0, 0, 1.0)
+    done = BatchResult(tmp_path, 1, 0, 1, 0, 0, 1.0)
     _settle_files(done)
     assert done.complete and (done.activation_files, done.orphans_removed) == (1, 1)
     assert not (tmp_path / "activations" / "p0.safetensors").exists() and "1 files, 1 left by" in done.summary()
     (tmp_path / "activations" / "p1.safetensors").unlink()
-    lost = DataRunResult(tmp_path, 1, 0, 1, 0, 0, 1.0)
+    lost = BatchResult(tmp_path, 1, 0, 1, 0, 0, 1.0)
     _settle_files(lost)
     assert not lost.complete and "the rows name are missing" in lost.failure
 
@@ -217,11 +217,11 @@ def test_an_activation_dataset_is_the_processors_activation_mode(tmp_path):
 
 
 def test_a_folder_the_runner_wrote_is_refused_not_run_again(tmp_path):
-    """The CLI's Ray Data path keeps rows under data/; over a runner's shards it would run every prompt again."""
+    """Runs keep rows under data/; over an earlier version's runner shards one would run every prompt again."""
     from nnsight_ray.batch.errors import BatchConfigError
+    from nnsight_ray.batch.pipeline import RUNNER_FORMAT as FORMAT
     from nnsight_ray.batch.pipeline import refuse_runner_folder
     from nnsight_ray.batch.preflight import prepare
-    from nnsight_ray.batch.shards import FORMAT
 
     made = config(tmp_path)
     (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
@@ -230,7 +230,7 @@ def test_a_folder_the_runner_wrote_is_refused_not_run_again(tmp_path):
     first.run_dir.prepare()
     first.run_dir.manifest_path.write_text(json.dumps({"format": FORMAT, "status": "incomplete",
                                                        "fingerprint": first.run_dir.fingerprint}))
-    with pytest.raises(BatchConfigError, match="holds a run of the hand-written runner \\(incomplete"):
+    with pytest.raises(BatchConfigError, match="holds shards of an earlier nnsight_ray's hand-written runner \\(incomplete"):
         refuse_runner_folder(prepare(made, resolve=False))
     first.run_dir.manifest_path.write_text(json.dumps({"format": "nnsight_ray.batch/2 (ray data)",
                                                        "fingerprint": first.run_dir.fingerprint}))

@@ -471,7 +471,7 @@ def env_settings(text: str) -> dict[str, int]:
 def test_every_head_starts_its_gcs_with_the_node_loss_health_check():
     from ray._raylet import Config
 
-    from nnsight_ray.batch.local_cluster import HEALTH_CHECK
+    from nnsight_ray._internal.cluster.local_cluster import HEALTH_CHECK
 
     for name in {*REAL_HEALTH_CHECK, *HEALTH_CHECK}:
         assert hasattr(Config, name), f"{name} is not a Ray setting"

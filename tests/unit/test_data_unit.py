@@ -408,7 +408,7 @@ def test_activations_refuse(kwargs, words):
 
 
 def test_a_part_names_its_files_and_each_prompts_rows():
-    from nnsight_ray.batch.replicas import part_rows
+    from nnsight_ray.data.stage import part_rows
 
     stages = [{"file": "/d/p.stage0.safetensors", "prompts": {0: 5, 1: 3}},
               {"file": "/d/p.stage1.safetensors", "prompts": {0: 5, 1: 3}}]
@@ -468,9 +468,9 @@ class FakeActivationUDF(stage.NNsightEngineStageUDF):
 
 @pytest.fixture
 def fake_commits(monkeypatch):
-    from nnsight_ray.batch import replicas
+    from nnsight_ray.data import stage
 
-    monkeypatch.setattr(replicas, "collect_commits", lambda commits, part: [c for c in commits if c is not None])
+    monkeypatch.setattr(stage, "collect_commits", lambda commits, part: [c for c in commits if c is not None])
 
 
 def test_an_activation_batch_is_one_part_and_each_row_names_its_files(fake_commits):

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nnsight_ray"
 MAX_LINES = 600
 
 #: Bottom first. A group is a module or a package (all modules under it); the root
-#: group ``nnsight_ray`` is the package's ``__init__`` only.
+#: group ``nnsight_ray``, and a package written with a trailing ``=``, is that package's ``__init__`` only.
 LAYERS: list[list[str]] = [
     ["nnsight_ray.errors", "nnsight_ray._internal"],
     ["nnsight_ray._internal.observe", "nnsight_ray._internal.cluster"],
@@ -37,7 +37,8 @@ LAYERS: list[list[str]] = [
     # The batch CLI builds nnsight_ray.data's processor: its pipeline and entry point sit above data, which
     # itself uses the batch config, preflight and intervention loading below it.
     ["nnsight_ray.batch.pipeline"],
-    ["nnsight_ray.batch.__main__"],
+    # The batch package's face (``from nnsight_ray.batch import run_batch``) re-exports the pipeline's entry.
+    ["nnsight_ray.batch.__main__", "nnsight_ray.batch="],
     ["nnsight_ray.demo", "nnsight_ray.compare_layouts"],
     ["nnsight_ray.cli"],
     ["nnsight_ray"],
@@ -126,8 +127,9 @@ def group_of(module: str, layers: list[list[str]]) -> tuple[str, int] | None:
     best = None
     for level, groups in enumerate(layers):
         for group in groups:
-            root = "." not in group
-            if module == group or (not root and module.startswith(group + ".")):
+            alone = "." not in group or group.endswith("=")  # the package's ``__init__`` only
+            name = group.rstrip("=")
+            if module == name or (not alone and module.startswith(name + ".")):
                 if best is None or len(group) > len(best[0]):
                     best = (group, level)
     return best

@@ -2,7 +2,7 @@
 
 vLLM's decoder layers return ``(hidden, residual)``, two same-shape tensors whose
 sum is the residual stream; other modules return one tensor or a tuple led by
-it. The batch runner's Parquet saves and the ranks' activation files both read
+it. The batch pipeline's Parquet saves and the ranks' activation files both read
 a location through this one function, so both formats hold the same values.
 """
 

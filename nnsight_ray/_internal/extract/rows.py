@@ -19,7 +19,7 @@ import torch
 def capture(output: Any, rows: "torch.Tensor | range", dtype: torch.dtype | None = None,
             into: Any = None) -> torch.Tensor:
     """``rows`` of a module output's residual stream (``parts.residual_parts``: what the
-    batch runner's Parquet saves read), as a copy in ``dtype`` (default: the output's); each
+    batch pipeline's Parquet saves read), as a copy in ``dtype`` (default: the output's); each
     part is narrowed before the sum.
 
     ``rows`` is a ``range`` when the step's captured rows are one span (every request of the

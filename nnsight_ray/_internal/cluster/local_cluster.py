@@ -128,7 +128,7 @@ class LocalCluster:
         loopback_only()  # every raylet and this driver bind 127.0.0.1
         import ray
 
-        from .._internal.cluster.placement import NAMESPACE
+        from .placement import NAMESPACE
 
         for attempt in range(1, _ATTEMPTS + 1):
             before = _children()
