@@ -34,9 +34,8 @@ then names its files, its ``prompt_index`` in them and its row count. These
 batches wait on a pool of threads of their own (the tracing thread only
 submits), so ``max_concurrent_batches`` parts are in flight on an actor.
 
-A failure: a trace of
-several rows that fails is run again one row per trace, so the failing row is
-found and every other row keeps its values; a single row's failure is that
+A failure: a trace of several rows that fails is run again one row per trace,
+so the failing row is found and every other row keeps its values; a single row's failure is that
 row's ``__inference_error__`` (``"<Type>: <message>"``) when
 ``should_continue_on_error``, else the batch (and the run) fails with it. An
 engine that died (vLLM's ``EngineDeadError``) ends the actor, as Ray Data
