@@ -143,6 +143,13 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
         "{'bundle_per_worker': {...}} (one per rank) or {'bundles': [...]}, and 'strategy' (default PACK). "
         "Default: one bundle of 1 CPU and num_gpus GPUs per rank."
     )
+    log_engine_metrics: bool = Field(
+        True, description="Export vLLM's engine metrics (requests running and waiting, KV-cache use, time to first "
+        "token, tokens per step, ...) through Ray's metrics export port, as Ray Data LLM's vLLM config does: vLLM's "
+        "statistics are turned on (engine_kwargs disable_log_stats=False unless set) for the engines this pipeline "
+        "starts as rank actors. Running engines (engine_name) keep their own setting; an engine in the actor "
+        "(one batch at a time at TP x PP = 1) exports none."
+    )
     # Ray Data LLM's defaults are True; the engine stage here reads `prompt` and returns `generated_text`.
     chat_template_stage: Any = Field(False, description="Not supported yet: give `prompt` in preprocess.")
     tokenize_stage: Any = Field(False, description="Not supported yet: the engine tokenizes `prompt`.")
@@ -252,6 +259,14 @@ class NNsightEngineProcessorConfig(OfflineProcessorConfig):
         if self.num_gpus is not None:
             return self.num_gpus
         return 1.0 if self.accelerator_type else 0.0
+
+    def started_engine_kwargs(self) -> dict[str, Any]:
+        """``engine_kwargs`` for an engine this pipeline starts: with vLLM's statistics on where
+        ``log_engine_metrics`` exports them (rank actors: the engine actor installs Ray's stat logger)."""
+        kwargs = dict(self.engine_kwargs)
+        if self.log_engine_metrics and self.rank_actors:
+            kwargs.setdefault("disable_log_stats", False)
+        return kwargs
 
     @property
     def rank_actors(self) -> bool:

@@ -108,7 +108,7 @@ def build_nnsight_engine_processor(config: NNsightEngineProcessorConfig, preproc
     stage = NNsightEngineStage(
         fn_constructor_kwargs=dict(
             model_source=config.model_source,
-            engine_kwargs=dict(config.engine_kwargs),
+            engine_kwargs=config.started_engine_kwargs(),
             saves=[spec.model_dump() for spec in config.saves] if config.saves else None,
             intervene=fn,
             should_continue_on_error=config.should_continue_on_error,

@@ -105,10 +105,14 @@ def test_save_columns_equal_local_traces(ray_cluster, local_llama, model_dir, tm
 
     # The stage's metrics (docs/metrics.md): every row ok; each batch (4 prompts at most) with each of its phases.
     phase = lambda name: lambda s: total(s, "ray_nnsight_data_batch_seconds_count", phase=name)  # noqa: E731
+    # vLLM's own series too (log_engine_metrics, on by default): the engine's prompt tokens are the rows'.
+    prompt_tokens = sum(len(row["prompt_token_ids"]) for row in rows.values())
     wanted = {"ok": (lambda s: total(s, "ray_nnsight_data_rows_total", outcome="ok"), len(PROMPTS)),
-              **{name: (phase(name), 2) for name in ("queued", "build", "engine", "rows", "total")}}
+              **{name: (phase(name), 2) for name in ("queued", "build", "engine", "rows", "total")},
+              "vllm prompt tokens": (lambda s: total(s, "ray_vllm_prompt_tokens_total"), prompt_tokens)}
     grown = wait_for_moves(ports, before, wanted)
     assert grown["ok"] == len(PROMPTS) and grown["total"] >= 2, grown
+    assert grown["vllm prompt tokens"] == prompt_tokens, grown
     assert {grown[name] for name in ("queued", "build", "engine", "rows")} == {grown["total"]}, grown
     engines = {labels["engine"] for name, labels, _ in scrape(ports) if name == "ray_nnsight_data_batches_in_flight"}
     assert any(engine.startswith("data-") for engine in engines), engines  # the actor's own engine, by its name

@@ -486,7 +486,8 @@ def test_openai_chat_streams_and_named_edits_match_local(served, client, local_l
 
 def test_metrics_move_under_load_on_rays_export_port(served, client):
     """Ray's export port on every raylet (``ray.nodes()``: ``MetricsExportPort``) shows the project's series
-    move while the app serves traces, completions, a stream and a failing trace."""
+    move while the app serves traces, completions, a stream and a failing trace, and vLLM's own series (the
+    replicas' engines have vLLM's stats on, as ``vllm serve``) beside them."""
     ports = export_ports()
     assert ports and all(ports)
     before = scrape(ports)
@@ -519,6 +520,8 @@ def test_metrics_move_under_load_on_rays_export_port(served, client):
         "merge": lambda s: total(s, "ray_nnsight_collect_seconds_count", stage="merge"),
         "intervention errors": lambda s: total(s, "ray_nnsight_intervention_errors_total", route="generate",
                                                type="IndexError"),
+        # vLLM's own series, from each replica's engine actor (its stats are on, as `vllm serve`'s).
+        "vllm generation tokens": lambda s: total(s, "ray_vllm_generation_tokens_total"),
     }
     with ThreadPoolExecutor(3) as pool:
         loaders = [pool.submit(long_requests) for _ in range(2)]

@@ -231,6 +231,33 @@ def test_a_connected_engine_takes_no_group_and_its_actors_no_gpu():
     assert config(engine_name=["a", "b"]).engine_names == ["a", "b"]
 
 
+def test_engines_the_pipeline_starts_export_vllms_metrics_unless_told_not_to():
+    """``log_engine_metrics`` (Ray Data LLM's field, default True) turns vLLM's statistics on for the rank-actor
+    engines a pipeline starts; a user's ``disable_log_stats``, running engines and an engine in the actor keep
+    their own setting."""
+    def started(**kwargs):
+        made = config(**kwargs)
+        engine = build_processor(made, builder_kwargs={"check": False}).get_stage_by_name("NNsightEngineStage")
+        return engine.get_dataset_map_batches_kwargs(batch_size=4, data_column="__data")["fn_constructor_kwargs"]
+
+    assert started()["engine_kwargs"].get("disable_log_stats") is False
+    assert "disable_log_stats" not in started(log_engine_metrics=False)["engine_kwargs"]
+    assert started(engine_kwargs={"disable_log_stats": True})["engine_kwargs"]["disable_log_stats"] is True
+    assert "disable_log_stats" not in started(max_concurrent_batches=1)["engine_kwargs"]  # in the actor
+
+
+def test_an_engine_with_vllms_stats_on_exports_them_through_ray():
+    """The engine actor's stat loggers: none where vLLM's stats are off; else the step clock and vLLM's own
+    Prometheus logger on Ray's metrics (in place of the process-local one vLLM would add)."""
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    from nnsight_ray._internal.observe.progress import Progress
+
+    assert Progress().stat_loggers() is None
+    loggers = Progress(ticking=True).stat_loggers()
+    assert loggers[1] is RayPrometheusStatLogger and len(loggers) == 2
+
+
 def test_batches_go_to_the_connected_engine_with_the_fewest_in_flight():
     udf = FakeUDF(True)
     udf.engines = [stage.Engine(object(), None, None, owned=False) for _ in range(3)]

@@ -229,7 +229,7 @@ class EngineActor:
             progress = Progress(ticking=not args.disable_log_stats)
             llm = AsyncLLM.from_vllm_config(vllm_config, usage_context=usage, enable_log_requests=args.enable_log_requests,
                                             disable_log_stats=args.disable_log_stats,
-                                            stat_loggers=[progress.stat_logger()] if progress.ticking else None)
+                                            stat_loggers=progress.stat_loggers())
         except BaseException:
             for actor in early:  # adopted or not, nothing of them outlives a failed start
                 ray.kill(actor)

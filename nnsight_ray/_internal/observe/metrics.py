@@ -100,9 +100,13 @@ def export_ports() -> list[int]:
     return sorted({n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]})
 
 
+# The series of this project and of the vLLM engines it runs (``Progress.stat_loggers``), as Ray exports them.
+EXPORTED_PREFIXES = ("ray_nnsight_", "ray_vllm_")
+
+
 def exported_samples(ports: list[int] | None = None) -> list[tuple[str, dict[str, str], float]]:
-    """Every ``ray_nnsight_*`` sample the export ports show now: ``(name, labels, value)`` (default: every
-    live raylet's port). What Prometheus would scrape, for a check or a benchmark without one."""
+    """Every ``ray_nnsight_*`` and ``ray_vllm_*`` sample the export ports show now: ``(name, labels, value)``
+    (default: every live raylet's port). What Prometheus would scrape, for a check or a benchmark without one."""
     import re
     import urllib.request
 
@@ -111,7 +115,7 @@ def exported_samples(ports: list[int] | None = None) -> list[tuple[str, dict[str
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             text = response.read().decode()
         for line in text.splitlines():
-            if not line.startswith("ray_nnsight_"):
+            if not line.startswith(EXPORTED_PREFIXES):
                 continue
             head, _, value = line.rpartition(" ")
             name, _, labels = head.partition("{")

@@ -50,6 +50,17 @@ class Progress:
             return 0.0
         return max(0.0, self.clock() - max(self.last_step, self.busy_since))
 
+    def stat_loggers(self) -> list[Any] | None:
+        """``AsyncLLM(stat_loggers=...)`` for this engine: None where vLLM's stats are off; else this clock and
+        vLLM's own Prometheus logger on Ray's metrics (``RayPrometheusStatLogger``, what Ray Data LLM and Ray
+        Serve LLM install), so vLLM's series reach Ray's export port. It takes the place of the
+        ``PrometheusStatLogger`` vLLM would add into this process's registry, which nothing scrapes."""
+        if not self.ticking:
+            return None
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        return [self.stat_logger(), RayPrometheusStatLogger]
+
     def stat_logger(self) -> Any:
         """A vLLM stat-logger factory whose loggers tick this clock on every step."""
         from vllm.v1.metrics.loggers import StatLoggerBase
