@@ -29,13 +29,16 @@ engine already up (from its first ``extract_async`` to its last commit);
 pipeline, so their seconds run from the start of the first batch's trace (a
 row's postprocess time less the trace's ``time_taken_llm``) to the last row
 (``stage``) or the end of the last write task (``sink``). GB/s is the bytes of
-tensor data in the files written over those seconds. Rounds alternate
-``rank`` and ``sink``; medians are reported.
+tensor data in the files written over those seconds. Each round runs every
+path of ``--paths`` in turn (its files are deleted once counted); medians are
+reported, and ``stage/rank`` as the median of per-round ratios. On a bf16
+model the datasink's rows are float32 (numpy has no bfloat16): twice the
+rank's bytes.
 
 Usage::
 
     python -m benchmarks.data_activations [--prompts N] [--prompt-len L] [--part P] [--rounds R]
-                                          [--model-dir DIR] [--json PATH]
+                                          [--paths plain,rank,stage,sink] [--model-dir DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -194,7 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--model-dir", default=None, help="a checkpoint (default: the tiny seeded Llama)")
     parser.add_argument("--json", default=None, help="write the results here too")
+    parser.add_argument("--paths", default="plain,rank,stage,sink",
+                        help="which paths to run, comma-separated (sink writes float32 rows: twice rank's bytes on a "
+                             "bf16 model, and its disk)")
     args = parser.parse_args(argv)
+    paths = [p for p in args.paths.split(",") if p]
+    unknown = set(paths) - {"plain", "rank", "stage", "sink"}
+    if unknown:
+        parser.error(f"unknown --paths {sorted(unknown)}")
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -215,46 +225,67 @@ def main(argv: list[str] | None = None) -> int:
     prompts = token_prompts(args.prompts, args.prompt_len, model_config.vocab_size)
     layers = model_config.num_hidden_layers
     locations = [f"model.layers.{i}.output" for i in range(layers)]
-    results: dict[str, list[dict]] = {"rank": [], "stage": [], "sink": [], "plain": []}
+    results: dict[str, list[dict]] = {name: [] for name in paths}
     import torch
 
     on_gpu = torch.cuda.is_available()
     engine, gpus = (GPU_ENGINE, GPU_SHARE) if on_gpu else (ENGINE, None)
+
+    def measured(name: str, round_: int, run) -> None:
+        """Run one path into its own folder, keep (seconds, bytes), and delete the files at once (a large run
+        would otherwise hold every round's files, and deleting them all at the end can outlast a time limit)."""
+        out = scratch / f"{name}-{round_}"
+        out.mkdir()
+        try:
+            seconds = run(out)
+            results[name].append({"seconds": seconds, "bytes": tensor_bytes(out)})
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
     model = RayVLLM(model_dir, **engine, **({"gpus_per_rank": gpus} if on_gpu else {}))
     try:
         rank_path(model, prompts[:args.part], locations, args.part, scratch / "warm")  # warm-up
+        shutil.rmtree(scratch / "warm", ignore_errors=True)
         for round_ in range(args.rounds):
-            out = scratch / f"rank-{round_}"
-            out.mkdir()
-            results["plain"].append({"seconds": rank_path(model, prompts, locations, args.part, None), "bytes": 0})
-            results["rank"].append({"seconds": rank_path(model, prompts, locations, args.part, out),
-                                    "bytes": tensor_bytes(out)})
-            out = scratch / f"stage-{round_}"
-            out.mkdir()
-            results["stage"].append({"seconds": stage_path(model, model_dir, prompts, locations, args.part, out),
-                                     "bytes": tensor_bytes(out)})
-            out = scratch / f"sink-{round_}"
-            out.mkdir()
-            results["sink"].append({"seconds": sink_path(model_dir, prompts, locations, args.part, out, engine, gpus),
-                                    "bytes": tensor_bytes(out)})
-            print(f"round {round_}: rank {results['rank'][-1]}, stage {results['stage'][-1]}, "
-                  f"sink {results['sink'][-1]}", file=sys.stderr)
+            if "plain" in paths:
+                results["plain"].append({"seconds": rank_path(model, prompts, locations, args.part, None),
+                                         "bytes": 0})
+            if "rank" in paths:
+                measured("rank", round_, lambda out: rank_path(model, prompts, locations, args.part, out))
+            if "stage" in paths:
+                measured("stage", round_,
+                         lambda out: stage_path(model, model_dir, prompts, locations, args.part, out))
+            if "sink" in paths:
+                measured("sink", round_,
+                         lambda out: sink_path(model_dir, prompts, locations, args.part, out, engine, gpus))
+            print(f"round {round_}: " + ", ".join(f"{name} {runs[-1]}" for name, runs in results.items()),
+                  file=sys.stderr)
+        # Printed before the teardown: a limit that cuts the teardown keeps the numbers.
+        summary = summarize(args, locations, results)
     finally:
         model.shutdown()
         ray.shutdown()
         shutil.rmtree(scratch, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
 
-    summary = {"prompts": args.prompts, "prompt_len": args.prompt_len, "part": args.part, "locations": locations,
-               "rounds": results}
+
+def summarize(args: argparse.Namespace, locations: list[str], results: dict[str, list[dict]]) -> dict:
+    """Medians per path, printed; ``stage/rank`` as the median of per-round ratios where both ran."""
+    summary: dict = {"prompts": args.prompts, "prompt_len": args.prompt_len, "part": args.part,
+                     "locations": locations, "rounds": results}
     for name, runs in results.items():
         seconds = statistics.median(r["seconds"] for r in runs)
         gbytes = statistics.median(r["bytes"] for r in runs) / 1e9
         summary[name] = {"median_s": round(seconds, 3), "gb": round(gbytes, 4), "gb_per_s": round(gbytes / seconds, 4),
                          "seconds": [round(r["seconds"], 3) for r in runs]}
-        print(f"{name:5s} {seconds:8.2f} s  {gbytes * 1e3:8.1f} MB  {gbytes / seconds:.4f} GB/s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
-    return 0
+        print(f"{name:5s} {seconds:8.2f} s  {gbytes * 1e3:8.1f} MB  {gbytes / seconds:.4f} GB/s", flush=True)
+    if results.get("rank") and results.get("stage"):
+        ratio = statistics.median(r["seconds"] / s["seconds"] for r, s in zip(results["rank"], results["stage"]))
+        summary["stage_over_rank"] = round(ratio, 3)
+        print(f"stage/rank GB/s = {ratio:.2f}x (median of per-round ratios)", flush=True)
+    return summary
 
 
 if __name__ == "__main__":

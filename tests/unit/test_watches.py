@@ -93,6 +93,23 @@ def test_death_watch_check_leaves_a_live_deployment_alone():
     assert core.dead is None
 
 
+def test_the_node_table_is_read_only_once_an_actor_is_dead():
+    """A watch step reads each actor's entry; the node table (``ray.nodes()``) only places a death."""
+    reads = []
+    table = _alive_table()
+
+    def nodes():
+        reads.append(1)
+        return {"n0", "n1"}
+
+    watch = DeathWatch(RECORDS, Cluster(table.get, nodes, offload=_inline, sleep=_no_sleep))
+    assert asyncio.run(watch.check(FakeCore())) is False and reads == []
+    table["R1"] = _entry("DEAD", "n2", 5)
+    core = FakeCore()
+    assert asyncio.run(watch.check(core)) is True and reads == [1]
+    assert "on node n2 (node removed)" in str(core.dead)
+
+
 def test_a_dead_merge_actor_is_named_by_the_engine_watch():
     table = _alive_table()
     table["M"] = _entry("DEAD", "n0", 7)

@@ -356,7 +356,9 @@ class DeathWatch:
         of a rank is named after the grace.
         """
         states = await self.cluster.offload(self.survey)
-        alive = await self.cluster.offload(self.cluster.alive_nodes)
+        # The live nodes matter only to place a death (``blamed``): while every actor lives, once a second per
+        # engine, the node table is not read.
+        alive = await self.cluster.offload(self.cluster.alive_nodes) if any(s.dead for s in states) else None
         core = self.core_process()
         message = diagnose(states, alive, core)
         dead = [s for s in states if s.dead]
