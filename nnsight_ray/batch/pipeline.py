@@ -257,6 +257,7 @@ class BatchResult:
     failure: str | None = None
     activation_files: int | None = None  # activations: the files the rows name (all on disk)
     orphans_removed: int = 0  # activations: files no row names, deleted after the run was complete
+    connected: bool = False  # on running engines (``connect``/``engines``): no engine start in ``run_s``
 
     @property
     def complete(self) -> bool:
@@ -274,7 +275,8 @@ class BatchResult:
         head = "done" if self.complete else "INCOMPLETE (rerun to resume)"
         lines = [f"batch {head}: {self.prompts_run} prompts run, {self.prompts_skipped} already done, "
                  f"{self.errors} errors; {self.prompts_run / self.run_s if self.run_s else 0:.1f} prompts/s "
-                 f"over {format_duration(self.run_s)} (engine start included) on Ray Data",
+                 f"over {format_duration(self.run_s)} "
+                 f"({'on running engines' if self.connected else 'engine start included'}) on Ray Data",
                  f"  rows:     {self.output_dir / DATA_DIR}/*.parquet ({self.prompts_done} of {self.prompts_total} "
                  f"prompts, each once)" if not self.duplicates else
                  f"  rows:     {self.output_dir / DATA_DIR}: {self.duplicates} prompt id(s) twice",
@@ -407,7 +409,7 @@ def run_on_ray_data(prepared: Prepared, total: int | None = None, stream: TextIO
     text = "".join(json.dumps(entry) + "\n" for entry in errors)
     prepared.run_dir.write_atomic(prepared.run_dir.errors_path, text.encode())
     result = BatchResult(folder, total, skipped, done, len(errors), duplicates, time.monotonic() - started,
-                           failure)
+                         failure, connected=bool(connect))
     if config.activations:
         _settle_files(result)
     manifest.write("complete" if result.complete else "incomplete", done, result)

@@ -235,3 +235,12 @@ def test_a_folder_the_runner_wrote_is_refused_not_run_again(tmp_path):
     first.run_dir.manifest_path.write_text(json.dumps({"format": "nnsight_ray.batch/2 (ray data)",
                                                        "fingerprint": first.run_dir.fingerprint}))
     refuse_runner_folder(prepare(made, resolve=False))  # its own folder resumes
+
+
+def test_the_summary_says_whether_the_rate_includes_an_engine_start(tmp_path):
+    from nnsight_ray.batch.pipeline import BatchResult
+
+    assert "(engine start included)" in BatchResult(tmp_path, 4, 0, 4, 0, 0, 2.0).summary()
+    on_running = BatchResult(tmp_path, 4, 0, 4, 0, 0, 2.0, connected=True).summary()
+    assert "(on running engines)" in on_running and "engine start" not in on_running
+    assert "2.0 prompts/s" in on_running
