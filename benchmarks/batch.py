@@ -377,8 +377,10 @@ def main() -> int:
         local = LocalVLLM(model_dir, dispatch=True, **local_kwargs)
         local_start = time.monotonic() - t
     t = time.monotonic()
+    # Running engines only for `data` (data-own and plain start their own inside each run).
     engines = [RayVLLM(model_dir, name=f"bench-{i}", tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-                       placement_strategy="SPREAD", **share, **engine_kwargs) for i in range(args.replicas)]
+                       placement_strategy="SPREAD", **share, **engine_kwargs)
+               for i in range(args.replicas)] if "data" in methods else []
     ray_start = time.monotonic() - t
     tuning = prepared.config.runner
     in_flight = max(1, tuning.max_in_flight // tuning.prompts_per_trace)
@@ -404,7 +406,8 @@ def main() -> int:
         # Warm-up: first traces pay lazy imports and allocations.
         if local is not None:
             local_loop(local, texts[:8], fn)
-        data(engines, config, work / "warm-data", len(texts), args.clients)
+        if engines:
+            data(engines, config, work / "warm-data", len(texts), args.clients)
         for r in range(args.rounds):
             for method in list(methods):
                 try:
