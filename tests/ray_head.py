@@ -90,8 +90,11 @@ def nnsight_ray_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "nnsight_ray.cli", *args]
 
 
-def submit_batch(dashboard: str, config: dict, folder, env: dict):
-    """Write ``config`` as YAML in ``folder`` and run it through ``nnsight-ray submit`` (``ray job submit``)."""
+def submit_batch(dashboard: str, config: dict, folder, env: dict, job_env: dict | None = None):
+    """Write ``config`` as YAML in ``folder`` and run it through ``nnsight-ray submit`` (``ray job submit``).
+
+    ``job_env``: more variables for the job's runtime env (``--env KEY=VALUE``).
+    """
     import subprocess
     from pathlib import Path
 
@@ -101,7 +104,8 @@ def submit_batch(dashboard: str, config: dict, folder, env: dict):
     path.write_text(yaml.safe_dump(config))
     done = subprocess.run(
         nnsight_ray_command("submit", "--address", dashboard, "--no-working-dir", "--config", str(path),
-                            "--env", "TOKENIZERS_PARALLELISM=false"),
+                            "--env", "TOKENIZERS_PARALLELISM=false",
+                            *(arg for key, value in (job_env or {}).items() for arg in ("--env", f"{key}={value}"))),
         env=env, capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -598,14 +598,25 @@ def head_node():
 
 
 def test_ray_job_submit_writes_rows_equal_to_local_traces(head_node, local_llama, model_dir, tmp_path):
+    """A job whose prompts are a Parquet object on S3 (a server on loopback), reached through ``--env``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from object_store import s3_server
+
     prompts = PROMPTS[:6]
     config = make_config(tmp_path, model_dir, prompts, engine={"replicas": 1, "placement_strategy": "PACK"},
                          runner={"max_in_flight": 4, "prompts_per_trace": 2, "progress_interval_s": 1})
-    done = submit_batch(head_node["dashboard"], config, tmp_path, head_node["env"])
+    config["prompts"] = {"path": "s3://prompts/run/prompts.parquet"}
+    with s3_server() as (s3_env, s3):
+        pq.write_table(pa.table({"id": [f"q{i}" for i in range(len(prompts))], "prompt": prompts}),
+                       "prompts/run/prompts.parquet", filesystem=s3)
+        # one Parquet footer reader, not 32 actors for one object (docs/ci.md)
+        done = submit_batch(head_node["dashboard"], config, tmp_path, head_node["env"],
+                            job_env={**s3_env, "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1"})
     assert "SUCCEEDED" in done.stdout and "batch done" in done.stdout and "on Ray Data" in done.stdout
+    assert "(6 of 6 prompts, each once)" in done.stdout, done.stdout[-3000:]
     # values per prompt run as a Ray Data pipeline: its rows are under out/data (test_batch_data.py)
-    import pyarrow.parquet as pq
-
     got = sorted((row for path in sorted((tmp_path / "out" / "data").glob("*.parquet"))
                   for row in pq.read_table(path).to_pylist()), key=lambda row: row["id"])
     assert [r["id"] for r in got] == [f"q{i}" for i in range(len(prompts))]

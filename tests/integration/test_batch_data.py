@@ -98,6 +98,53 @@ def test_read_prompts_through_ray_data(ray_cluster, tmp_path):
         check_source(PromptsConfig(path=str(tmp_path / "p.parquet")))
 
 
+def test_read_prompts_from_object_storage_through_ray_data(ray_cluster):
+    """s3:// prompts (an S3 server on loopback) read on Ray's workers, reached through the job's env variables.
+
+    The reads run in a task whose runtime env carries ``AWS_ENDPOINT_URL`` and the
+    credentials, as a job submitted with ``nnsight-ray submit --env`` does: Ray
+    Data's read tasks inherit it. A Parquet folder (the usual form), a JSONL
+    object and a text object; a missing object fails the check, naming it.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray
+
+    from object_store import s3_server
+
+    from nnsight_ray.batch.config import PromptsConfig
+    from nnsight_ray.batch.errors import BatchConfigError
+    from nnsight_ray.batch.sources import FOOTER_READERS, check_source, read_dataset
+
+    with s3_server() as (env, s3):
+        for part, ids in enumerate(([1, 2], [3])):
+            pq.write_table(pa.table({"uid": ids, "prompt": [f"p{i}" for i in ids]}),
+                           f"prompts/folder/part-{part}.parquet", filesystem=s3)
+        with s3.open_output_stream("prompts/p.jsonl") as out:
+            out.write(b'{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n')
+        with s3.open_output_stream("prompts/p.txt") as out:
+            out.write(b"first\n\nthird\n")
+
+        # One Parquet footer reader, not Ray Data's 32 actors per read (docs/ci.md): 2 CPUs here.
+        @ray.remote(num_cpus=0, runtime_env={"env_vars": {**env, FOOTER_READERS: "1"}})
+        def read(source):
+            try:
+                count = check_source(source)
+            except BatchConfigError as error:
+                return str(error)
+            return count, sorted(read_dataset(source).take_all(), key=str)
+
+        cases = [(PromptsConfig(path="s3://prompts/folder/", format="parquet", id_field="uid"),
+                  (3, [{"uid": i, "prompt": f"p{i}"} for i in (1, 2, 3)])),
+                 (PromptsConfig(path="s3://prompts/p.jsonl"), (2, [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])),
+                 (PromptsConfig(path="s3://prompts/p.txt"), (2, [{"id": "1", "prompt": "first"},
+                                                                 {"id": "3", "prompt": "third"}]))]
+        for source, want in cases:
+            assert ray.get(read.remote(source), timeout=300) == want, source.path
+        missing = ray.get(read.remote(PromptsConfig(path="s3://prompts/none.parquet")), timeout=300)
+        assert "prompts.path 's3://prompts/none.parquet': Ray Data cannot read it" in missing, missing
+
+
 def test_a_killed_driver_resumes_through_ray_data_checkpointing_with_every_prompt_once(ray_cluster, ray_tp1,
                                                                                       local_llama, model_dir,
                                                                                       tmp_path):
