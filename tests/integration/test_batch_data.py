@@ -145,6 +145,44 @@ def test_read_prompts_from_object_storage_through_ray_data(ray_cluster):
         assert "prompts.path 's3://prompts/none.parquet': Ray Data cannot read it" in missing, missing
 
 
+def test_read_prompts_from_a_hugging_face_dataset_through_ray_data(ray_cluster):
+    """hf://datasets/... prompts (a Hub on loopback: its HTTP API) read on Ray's workers through ``HF_ENDPOINT``."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray
+
+    from object_store import hub_server
+
+    from nnsight_ray.batch.config import PromptsConfig
+    from nnsight_ray.batch.errors import BatchConfigError
+    from nnsight_ray.batch.sources import FOOTER_READERS, check_source, read_dataset
+
+    files = {}
+    for part, ids in enumerate((["a", "b"], ["c"])):
+        buffer = io.BytesIO()
+        pq.write_table(pa.table({"id": ids, "text": [f"t{i}" for i in ids]}), buffer)
+        files[f"data/train-{part}.parquet"] = buffer.getvalue()
+    files["extra/p.jsonl"] = b'{"id": "j", "prompt": "jsonl"}\n'
+    with hub_server(files, repo="org/prompts") as env:
+        @ray.remote(num_cpus=0, runtime_env={"env_vars": {**env, FOOTER_READERS: "1"}})
+        def read(source):
+            try:
+                count = check_source(source)
+            except BatchConfigError as error:
+                return str(error)
+            return count, sorted(read_dataset(source).take_all(), key=str)
+
+        cases = [(PromptsConfig(path="hf://datasets/org/prompts/data/", format="parquet", text_field="text"),
+                  (3, [{"id": i, "text": f"t{i}"} for i in "abc"])),
+                 (PromptsConfig(path="hf://datasets/org/prompts/extra/p.jsonl"), (1, [{"id": "j", "prompt": "jsonl"}]))]
+        for source, want in cases:
+            assert ray.get(read.remote(source), timeout=300) == want, source.path
+        missing = ray.get(read.remote(PromptsConfig(path="hf://datasets/org/prompts/none.parquet")), timeout=300)
+        assert "Ray Data cannot read it" in missing, missing
+
+
 def test_a_killed_driver_resumes_through_ray_data_checkpointing_with_every_prompt_once(ray_cluster, ray_tp1,
                                                                                       local_llama, model_dir,
                                                                                       tmp_path):
