@@ -98,6 +98,28 @@ def test_read_prompts_through_ray_data(ray_cluster, tmp_path):
         check_source(PromptsConfig(path=str(tmp_path / "p.parquet")))
 
 
+def remote_reader(env: dict):
+    """A task that checks and reads a prompt source on a worker whose runtime env is ``env`` (a job's ``--env``).
+
+    It returns the count and the rows, or the check's message. One Parquet footer
+    reader, not Ray Data's 32 actors per read (docs/ci.md): 2 CPUs here.
+    """
+    import ray
+
+    from nnsight_ray.batch.errors import BatchConfigError
+    from nnsight_ray.batch.sources import FOOTER_READERS, check_source, read_dataset
+
+    @ray.remote(num_cpus=0, runtime_env={"env_vars": {**env, FOOTER_READERS: "1"}})
+    def read(source):
+        try:
+            count = check_source(source)
+        except BatchConfigError as error:
+            return str(error)
+        return count, sorted(read_dataset(source).take_all(), key=str)
+
+    return read
+
+
 def test_read_prompts_from_object_storage_through_ray_data(ray_cluster):
     """s3:// prompts (an S3 server on loopback) read on Ray's workers, reached through the job's env variables.
 
@@ -113,8 +135,6 @@ def test_read_prompts_from_object_storage_through_ray_data(ray_cluster):
     from object_store import s3_server
 
     from nnsight_ray.batch.config import PromptsConfig
-    from nnsight_ray.batch.errors import BatchConfigError
-    from nnsight_ray.batch.sources import FOOTER_READERS, check_source, read_dataset
 
     with s3_server() as (env, s3):
         for part, ids in enumerate(([1, 2], [3])):
@@ -125,15 +145,7 @@ def test_read_prompts_from_object_storage_through_ray_data(ray_cluster):
         with s3.open_output_stream("prompts/p.txt") as out:
             out.write(b"first\n\nthird\n")
 
-        # One Parquet footer reader, not Ray Data's 32 actors per read (docs/ci.md): 2 CPUs here.
-        @ray.remote(num_cpus=0, runtime_env={"env_vars": {**env, FOOTER_READERS: "1"}})
-        def read(source):
-            try:
-                count = check_source(source)
-            except BatchConfigError as error:
-                return str(error)
-            return count, sorted(read_dataset(source).take_all(), key=str)
-
+        read = remote_reader(env)
         cases = [(PromptsConfig(path="s3://prompts/folder/", format="parquet", id_field="uid"),
                   (3, [{"uid": i, "prompt": f"p{i}"} for i in (1, 2, 3)])),
                  (PromptsConfig(path="s3://prompts/p.jsonl"), (2, [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])),
@@ -156,8 +168,6 @@ def test_read_prompts_from_a_hugging_face_dataset_through_ray_data(ray_cluster):
     from object_store import hub_server
 
     from nnsight_ray.batch.config import PromptsConfig
-    from nnsight_ray.batch.errors import BatchConfigError
-    from nnsight_ray.batch.sources import FOOTER_READERS, check_source, read_dataset
 
     files = {}
     for part, ids in enumerate((["a", "b"], ["c"])):
@@ -166,14 +176,7 @@ def test_read_prompts_from_a_hugging_face_dataset_through_ray_data(ray_cluster):
         files[f"data/train-{part}.parquet"] = buffer.getvalue()
     files["extra/p.jsonl"] = b'{"id": "j", "prompt": "jsonl"}\n'
     with hub_server(files, repo="org/prompts") as env:
-        @ray.remote(num_cpus=0, runtime_env={"env_vars": {**env, FOOTER_READERS: "1"}})
-        def read(source):
-            try:
-                count = check_source(source)
-            except BatchConfigError as error:
-                return str(error)
-            return count, sorted(read_dataset(source).take_all(), key=str)
-
+        read = remote_reader(env)
         cases = [(PromptsConfig(path="hf://datasets/org/prompts/data/", format="parquet", text_field="text"),
                   (3, [{"id": i, "text": f"t{i}"} for i in "abc"])),
                  (PromptsConfig(path="hf://datasets/org/prompts/extra/p.jsonl"), (1, [{"id": "j", "prompt": "jsonl"}]))]
