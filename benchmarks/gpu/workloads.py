@@ -20,7 +20,8 @@ ENGINES = ("vllm-defaults", "vllm-eager", "nnsight-eager", "nnsight-taps", "loca
 GRAPH_ENGINES = ("local-graphs", "ray-graphs", "local-taps", "ray-taps")
 # Plain vLLM, and plain vLLM with its step handed to a worker process as ours is (control rows: what the
 # hand-off between engine core and worker costs without nnsight): vLLM's multiprocessing and Ray executors.
-PLAIN = ("vllm-defaults", "vllm-eager", "vllm-mp", "vllm-mp-eager", "vllm-ray")
+# vllm-async-mp-eager: vLLM's AsyncLLM (what RayVLLM's engine actor hosts) in this process, without Ray.
+PLAIN = ("vllm-defaults", "vllm-eager", "vllm-mp", "vllm-mp-eager", "vllm-ray", "vllm-async-mp-eager")
 WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "cache", "extract", "prefill", "shards",
              "gen-shards")
 
@@ -58,6 +59,60 @@ def floor_of(workload: str) -> str:
     """The plain rows' workload a workload is compared with: plain generate, or for the extraction workloads
     the same prompts' prefill (a plain row's ``extract``)."""
     return "extract" if workload in ("extract", "prefill", "shards") else "generate"
+
+
+class AsyncEntrypoint:
+    """vLLM's ``AsyncLLM`` behind ``vllm.LLM``'s ``generate``: a control row for RayVLLM's engine actor.
+
+    The engine actor hosts an ``AsyncLLM`` on its event loop and starts one request
+    per prompt; here the same engine runs on an event loop in a thread of the bench's
+    process, with no Ray in between (``generate`` waits as a caller of the actor does).
+    """
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        import asyncio
+        import threading
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True, name="async-llm").start()
+
+        async def start():
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, **kwargs))
+
+        self.engine = self.call(start())
+        self.llm_engine = self.engine  # config_summary reads .llm_engine.vllm_config
+        self.count = 0
+
+    def call(self, coroutine: Any) -> Any:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def generate(self, texts: list[str], sampling: Any, use_tqdm: bool = False) -> list:
+        import asyncio
+
+        from vllm.sampling_params import RequestOutputKind
+
+        sampling = sampling.clone()
+        sampling.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate and the engine actor ask
+
+        async def one(text: str, request_id: str):
+            final = None
+            async for output in self.engine.generate(text, sampling, request_id):
+                final = output
+            return final
+
+        async def every(base: int):
+            return await asyncio.gather(*(one(t, str(base + i)) for i, t in enumerate(texts)))
+
+        base, self.count = self.count, self.count + len(texts)
+        return self.call(every(base))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.call(self.engine.reset_prefix_cache()) is not False
 
 
 class Bench:
@@ -102,7 +157,10 @@ class Bench:
         began = time.perf_counter()
         kwargs = self.engine_kwargs()
         path = self.args.model_path
-        if self.engine in PLAIN:
+        if self.engine == "vllm-async-mp-eager":
+            self.llm = AsyncEntrypoint(path, distributed_executor_backend="mp", enforce_eager=True,
+                                       disable_log_stats=True, **kwargs)  # vllm.LLM's default, as ours
+        elif self.engine in PLAIN:
             from vllm import LLM
 
             extra = {"vllm-eager": {"enforce_eager": True}, "vllm-mp": {"distributed_executor_backend": "mp"},
@@ -174,6 +232,8 @@ class Bench:
         if self.engine.startswith("ray") and self.model is not None:
             self.before_shards()
             self.model.shutdown()
+        if isinstance(self.llm, AsyncEntrypoint):
+            self.llm.engine.shutdown()
 
     def workloads(self) -> list[str]:
         wanted = [w for w in self.args.workloads.split(",") if w]
