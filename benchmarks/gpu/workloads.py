@@ -65,8 +65,9 @@ class AsyncEntrypoint:
     """vLLM's ``AsyncLLM`` behind ``vllm.LLM``'s ``generate``: a control row for RayVLLM's engine actor.
 
     The engine actor hosts an ``AsyncLLM`` on its event loop and starts one request
-    per prompt; here the same engine runs on an event loop in a thread of the bench's
-    process, with no Ray in between (``generate`` waits as a caller of the actor does).
+    per prompt, its scheduler paused while a call's requests are added; here the same
+    engine does the same on an event loop in a thread of the bench's process, with no
+    Ray in between (``generate`` waits as a caller of the actor does).
     """
 
     def __init__(self, path: str, **kwargs: Any) -> None:
@@ -106,7 +107,18 @@ class AsyncEntrypoint:
             return final
 
         async def every(base: int):
-            return await asyncio.gather(*(one(t, str(base + i)) for i, t in enumerate(texts)))
+            # As the engine actor does (``_hold``): the scheduler paused while the call's requests are added,
+            # so they start in one step rather than in waves over several part-full steps.
+            core = self.engine.engine_core
+            await core.pause_scheduler_async(mode="keep", clear_cache=False)
+            tasks = [asyncio.ensure_future(one(t, str(base + i))) for i, t in enumerate(texts)]
+            added = self.engine.output_processor.external_req_ids
+            for _ in range(64):
+                if all(str(base + i) in added for i in range(len(texts))):
+                    break
+                await asyncio.sleep(0)
+            await core.resume_scheduler_async()
+            return await asyncio.gather(*tasks)
 
         base, self.count = self.count, self.count + len(texts)
         return self.call(every(base))
