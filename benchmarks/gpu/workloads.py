@@ -81,7 +81,11 @@ class AsyncEntrypoint:
         threading.Thread(target=self.loop.run_forever, daemon=True, name="async-llm").start()
 
         async def start():
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, **kwargs))
+            from vllm.usage.usage_lib import UsageContext
+
+            # vllm.LLM's usage context: its batch-size defaults (on the CPU 256 sequences and 4,096 tokens a
+            # step, against 128 and 2,048 for an engine context), so only the client differs from vllm-mp-eager.
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, **kwargs), usage_context=UsageContext.LLM_CLASS)
 
         self.engine = self.call(start())
         self.llm_engine = self.engine  # config_summary reads .llm_engine.vllm_config
@@ -210,6 +214,10 @@ class Bench:
         else:
             known = tuple(dict.fromkeys(ENGINES + PLAIN + GRAPH_ENGINES))
             raise SystemExit(f"unknown engine {self.engine!r}: one of {known}")
+        if self.llm is not None:  # the batch limits a plain row runs with (RayVLLM's print their own)
+            scheduler = self.llm.llm_engine.vllm_config.scheduler_config
+            print(f"[{self.engine}] max_num_seqs={scheduler.max_num_seqs}, "
+                  f"max_num_batched_tokens={scheduler.max_num_batched_tokens}", flush=True)
         return time.perf_counter() - began
 
     def graph_kwargs(self) -> dict:
