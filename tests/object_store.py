@@ -89,7 +89,7 @@ def hub_server(files: dict[str, bytes], repo: str = "org/prompts") -> Iterator[d
                 if kind == "tree":
                     if sub not in folders:
                         return self.missing()
-                    recursive = parse_qs(url.query).get("recursive") == ["True"]
+                    recursive = parse_qs(url.query).get("recursive", [""])[0].lower() == "true"
                     inside = [p for p in sorted(files | dict.fromkeys(folders - {""}))
                               if p.startswith(sub + "/" if sub else "")
                               and (recursive or posixpath.dirname(p) == sub)]
