@@ -86,3 +86,13 @@ def test_the_plain_processor_gets_as_many_batches_on_its_engine_as_the_others():
     assert plain_tasks(8, 64, 64) == 8 and plain_tasks(8, 128, 64) == 8
     assert plain_tasks(8, 8, 64) == 2  # 8 batches a block, 4 at once
     assert plain_tasks(1, 32, 64) == 1
+
+
+def test_cpu_split_sums_each_process_names_cpu_between_readings():
+    from benchmarks.cpu_split import cpu_by_process, spent
+
+    before = {"1": (1.0, "raylet"), "2": (2.0, "ray::IDLE"), "3": (5.0, "gone")}
+    after = {"1": (1.5, "raylet"), "2": (2.25, "ray::IDLE"), "4": (0.5, "ray::IDLE"), "5": (3.0, "idle")}
+    # a process born in the window counts from zero; one that ended is not seen; one that used nothing is left out
+    assert spent(before, after) == [("idle", 3.0), ("ray::IDLE", 0.75), ("raylet", 0.5)]
+    assert str(os.getpid()) in cpu_by_process()
