@@ -80,6 +80,9 @@ def sampling():
 
 
 def ray_row(path: str):
+    from nnsight_ray._internal.cluster.local_cluster import loopback_only
+
+    loopback_only()  # the row's Ray instance listens on 127.0.0.1 only
     import ray
 
     from nnsight_ray import RayVLLM

@@ -198,6 +198,9 @@ class Bench:
 
             self.model = LocalVLLM(path, dispatch=True, **kwargs, **self.graph_kwargs())
         elif self.engine.startswith("ray"):
+            from nnsight_ray._internal.cluster.local_cluster import loopback_only
+
+            loopback_only()  # the bench's Ray instance listens on 127.0.0.1 only
             import ray
 
             from nnsight_ray import RayVLLM
