@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROWS = ("ray", "core", "async")
@@ -108,9 +109,7 @@ def core_row(path: str):
 
     from nnsight_ray._internal.engine.core import EngineCore
 
-    loop = asyncio.new_event_loop()
-    import threading
-
+    loop = asyncio.new_event_loop()  # the engine's loop in a thread, as the engine actor's runs beside Ray's
     threading.Thread(target=loop.run_forever, daemon=True).start()
     run = lambda coroutine: asyncio.run_coroutine_threadsafe(coroutine, loop).result()  # noqa: E731
 
