@@ -73,7 +73,8 @@ graphs on a GPU), ``vllm-eager`` (plain, ``enforce_eager=True``), ``vllm-mp`` an
 multiprocessing or Ray executor, as ours is; ``vllm-ray`` is GPU only), ``vllm-mp-eager``
 (the same worker process, eager: the control row for the eager engines), ``vllm-async-mp-eager``
 (the same, behind vLLM's ``AsyncLLM`` on an event loop in the bench's process, one request per prompt:
-what RayVLLM's engine actor hosts, without Ray), nnsight's own
+what RayVLLM's engine actor hosts, without Ray), ``core-async-mp-eager`` (nnsight_ray's engine logic,
+``engine.core.EngineCore``, on that ``AsyncLLM`` with nnsight's settings, without Ray), nnsight's own
 ``VLLM`` eager (``nnsight-eager``) and with ``taps`` (``nnsight-taps``: CUDA
 graphs with nnsight's handoff recorded at the tapped layers; its saves are
 cloned, as its docs require), ``local`` (``LocalVLLM``), ``ray`` (``RayVLLM``,

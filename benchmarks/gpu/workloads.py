@@ -21,7 +21,9 @@ GRAPH_ENGINES = ("local-graphs", "ray-graphs", "local-taps", "ray-taps")
 # Plain vLLM, and plain vLLM with its step handed to a worker process as ours is (control rows: what the
 # hand-off between engine core and worker costs without nnsight): vLLM's multiprocessing and Ray executors.
 # vllm-async-mp-eager: vLLM's AsyncLLM (what RayVLLM's engine actor hosts) in this process, without Ray.
-PLAIN = ("vllm-defaults", "vllm-eager", "vllm-mp", "vllm-mp-eager", "vllm-ray", "vllm-async-mp-eager")
+# core-async-mp-eager: nnsight_ray's engine logic (``engine.core.EngineCore``) on that AsyncLLM, without Ray.
+PLAIN = ("vllm-defaults", "vllm-eager", "vllm-mp", "vllm-mp-eager", "vllm-ray", "vllm-async-mp-eager",
+         "core-async-mp-eager")
 WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "cache", "extract", "prefill", "shards",
              "gen-shards")
 
@@ -131,6 +133,49 @@ class AsyncEntrypoint:
         return self.call(self.engine.reset_prefix_cache()) is not False
 
 
+class CoreEntrypoint(AsyncEntrypoint):
+    """nnsight_ray's engine logic (``engine.core.EngineCore``: prompts rendered in batches, the scheduler held
+    while a call's requests are added, one task a request, the hand-off) on the same ``AsyncLLM``, without
+    Ray: against ``vllm-async-mp-eager`` it prices the engine logic, against ``ray`` what Ray adds."""
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        import asyncio
+
+        from nnsight_ray._internal.engine.core import EngineCore
+
+        self.waiting: dict[str, tuple[list, Any, int]] = {}
+
+        def notify(batch: list) -> None:  # the merge actors' part: a call's reports, in order, once all ended
+            for report in batch:
+                reports, done, size = self.waiting[report.group]
+                reports.append(report)
+                if len(reports) == size:
+                    done.set()
+
+        async def make():
+            return EngineCore(self.engine, notify, lambda: asyncio.sleep(0, "dead"), on_dead=print)
+
+        self.core = self.call(make())
+
+    def generate(self, texts: list[str], sampling: Any, use_tqdm: bool = False) -> list:
+        import asyncio
+
+        async def every(group: str):
+            done = asyncio.Event()
+            self.waiting[group] = ([], done, len(texts))
+            self.core.submit(group, texts, [sampling] * len(texts))  # submit sets FINAL_ONLY on it, as on the actor's copy
+            await done.wait()
+            reports = sorted(self.waiting.pop(group)[0], key=lambda report: report.index)
+            errors = [report.error for report in reports if report.error is not None]
+            if errors:
+                raise errors[0]
+            return [report.output for report in reports]
+
+        self.count += 1
+        return self.call(every(f"call{self.count}"))
+
+
 class Bench:
     """One engine in this process and the workloads run on it."""
 
@@ -176,6 +221,10 @@ class Bench:
         if self.engine == "vllm-async-mp-eager":
             self.llm = AsyncEntrypoint(path, distributed_executor_backend="mp", enforce_eager=True,
                                        disable_log_stats=True, **kwargs)  # vllm.LLM's default, as ours
+        elif self.engine == "core-async-mp-eager":  # nnsight's settings, as RayVLLM runs them
+            self.llm = CoreEntrypoint(path, distributed_executor_backend="mp", enforce_eager=True,
+                                      disable_log_stats=True, enable_prefix_caching=False,
+                                      enable_chunked_prefill=False, **kwargs)
         elif self.engine in PLAIN:
             from vllm import LLM
 
