@@ -16,22 +16,20 @@ runs them for nnsight) and the model in a worker process of its own:
   (the bench's ``vllm-async-mp-eager`` row).
 
 Per row: the median call and the CPU-seconds every process on the machine used during the timed calls,
-read from ``/proc`` before and after (processes that start and end within the window are not seen). The machine's own threads (``kdamond``, ...) are listed
-too: on a 2-core machine everything shares the cores that vLLM's two busy-waiting processes (engine core
+read from ``/proc`` before and after (processes that start and end within the window are not seen).
+The machine's own threads (``kdamond``, ...) are listed too: on a 2-core machine everything shares the cores that vLLM's two busy-waiting processes (engine core
 and worker or rank) keep busy.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 ROWS = ("ray", "core", "async")
@@ -102,55 +100,13 @@ def ray_row(path: str):
     return call, stop
 
 
-def core_row(path: str):
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
+def async_row(path: str, entrypoint: str = "AsyncEntrypoint"):
+    """``AsyncLLM`` alone (``AsyncEntrypoint``), or with nnsight_ray's engine logic on it (``CoreEntrypoint``):
+    the bench's ``vllm-async-mp-eager`` and ``core-async-mp-eager`` rows."""
+    from .gpu import workloads
 
-    from nnsight_ray._internal.engine.core import EngineCore
-
-    loop = asyncio.new_event_loop()  # the engine's loop in a thread, as the engine actor's runs beside Ray's
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    run = lambda coroutine: asyncio.run_coroutine_threadsafe(coroutine, loop).result()  # noqa: E731
-
-    async def start():
-        args = AsyncEngineArgs(model=path, enforce_eager=True, distributed_executor_backend="mp",
-                               disable_log_stats=True, **NNSIGHT, **ENGINE)
-        return AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
-
-    llm = run(start())
-    state = {"reports": [], "done": None}
-
-    def notify(batch):
-        state["reports"].extend(batch)
-        if len(state["reports"]) == state["want"]:
-            state["done"].set()
-
-    async def make_core():
-        return EngineCore(llm, notify, lambda: asyncio.sleep(0, "dead"), on_dead=print)
-
-    core = run(make_core())
-    params = sampling()
-    count = [0]
-
-    async def one(texts):
-        state.update(reports=[], done=asyncio.Event(), want=len(texts))
-        count[0] += 1
-        core.submit(f"c{count[0]}", texts, [params] * len(texts))
-        await state["done"].wait()
-        return [r.output for r in sorted(state["reports"], key=lambda r: r.index)]
-
-    def call(texts):
-        return run(one(texts))
-
-    return call, llm.shutdown
-
-
-def async_row(path: str):
-    from .gpu.workloads import AsyncEntrypoint
-
-    engine = AsyncEntrypoint(path, distributed_executor_backend="mp", enforce_eager=True, disable_log_stats=True,
-                             **NNSIGHT, **ENGINE)
+    engine = getattr(workloads, entrypoint)(path, distributed_executor_backend="mp", enforce_eager=True,
+                                            disable_log_stats=True, **NNSIGHT, **ENGINE)
     params = sampling()
 
     def call(texts):
@@ -165,7 +121,8 @@ def child(row: str, calls: int) -> None:
     from .gpu.workloads import prompts
 
     path = str(ensure_model(os.path.join(tempfile.gettempdir(), "bench-llama"), arch="llama"))
-    call, stop = {"ray": ray_row, "core": core_row, "async": async_row}[row](path)
+    rows = {"ray": ray_row, "core": lambda path: async_row(path, "CoreEntrypoint"), "async": async_row}
+    call, stop = rows[row](path)
     texts = prompts(PROMPTS)
     for _ in range(3):  # warm-up
         call(texts)
