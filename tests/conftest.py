@@ -193,3 +193,21 @@ def kill_after_commits(command: list[str], env: dict, log, folder, commits: int 
             first.kill()
         first.wait(timeout=60)
     return sum(pq.read_metadata(p).num_rows for p in committed_checkpoints(folder))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Seconds per test module (setup, call and teardown of its tests; a shared engine's start counts where it
+    first ran), so a slow run says which modules took its time, not only its slowest 25 pieces."""
+    from collections import defaultdict
+
+    seconds: dict[str, float] = defaultdict(float)
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call", "teardown"):
+                seconds[report.nodeid.split("::")[0]] += report.duration
+    if not seconds:
+        return
+    terminalreporter.write_sep("=", f"seconds per module ({sum(seconds.values()):.0f} s in tests; modules over 5 s)")
+    for module, total in sorted(seconds.items(), key=lambda item: -item[1]):
+        if total >= 5:
+            terminalreporter.write_line(f"{total:8.1f}s  {module}")
