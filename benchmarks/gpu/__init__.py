@@ -65,7 +65,8 @@ first on its workers' path, so the actors import DIR's code too), beside the oth
 One engine under other settings in the same run: ``--env hostreg=PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True``
 (repeat ``--env`` for several variables of one tag) and an engine named ``ENGINE%hostreg`` runs that
 engine's child with those variables set (its Ray cluster, started by the child, hands them to every
-actor): ``--engines ray,ray%hostreg``.
+actor): ``--engines ray,ray%hostreg``. ``BENCH_CPU_BINDING`` so set gives a ``ray*`` row's RayVLLM that
+``cpu_binding`` (``--env pin=BENCH_CPU_BINDING=1 --engines ray,ray%pin``: its rank on core 1 against ``auto``).
 
 Engines: ``vllm-defaults`` (plain ``vllm.LLM`` as vLLM configures it: CUDA
 graphs on a GPU), ``vllm-eager`` (plain, ``enforce_eager=True``), ``vllm-mp`` and
@@ -74,7 +75,12 @@ multiprocessing or Ray executor, as ours is; ``vllm-ray`` is GPU only), ``vllm-m
 (the same worker process, eager: the control row for the eager engines), ``vllm-async-mp-eager``
 (the same, behind vLLM's ``AsyncLLM`` on an event loop in the bench's process, one request per prompt:
 what RayVLLM's engine actor hosts, without Ray), ``core-async-mp-eager`` (nnsight_ray's engine logic,
-``engine.core.EngineCore``, on that ``AsyncLLM`` with nnsight's settings, without Ray), nnsight's own
+``engine.core.EngineCore``, on that ``AsyncLLM`` with nnsight's settings, without Ray; vLLM's worker),
+``core-async-mp-nnsight`` (the same with nnsight_ray's worker, the ranks' class, in vLLM's worker process) and
+``core-async-ray-nnsight`` (that worker in a rank actor of nnsight_ray's Ray executor, the engine logic still in the
+bench's process: ``ray`` without the engine actor, the caller's hop and the merge actor),
+``core-actor-ray-nnsight`` (that engine inside a Ray actor, one actor call a generate: ``ray`` without its client
+and merge actor), nnsight's own
 ``VLLM`` eager (``nnsight-eager``) and with ``taps`` (``nnsight-taps``: CUDA
 graphs with nnsight's handoff recorded at the tapped layers; its saves are
 cloned, as its docs require), ``local`` (``LocalVLLM``), ``ray`` (``RayVLLM``,

@@ -22,8 +22,13 @@ GRAPH_ENGINES = ("local-graphs", "ray-graphs", "local-taps", "ray-taps")
 # hand-off between engine core and worker costs without nnsight): vLLM's multiprocessing and Ray executors.
 # vllm-async-mp-eager: vLLM's AsyncLLM (what RayVLLM's engine actor hosts) in this process, without Ray.
 # core-async-mp-eager: nnsight_ray's engine logic (``engine.core.EngineCore``) on that AsyncLLM, without Ray.
+# core-async-mp-nnsight: the same with nnsight_ray's worker (the rank's worker class, nnsight's model runner) in
+# vLLM's worker process; core-async-ray-nnsight: the same worker in a rank actor of nnsight_ray's Ray executor (what
+# RayVLLM's engine core runs), the engine logic still in this process. Between them and ``ray``, one part at a time:
+# the worker, the rank as a Ray actor, the engine logic in a Ray actor with the caller's and the merge's hops.
+# core-actor-ray-nnsight: core-async-ray-nnsight's engine inside a Ray actor, one actor call a generate (no merge).
 PLAIN = ("vllm-defaults", "vllm-eager", "vllm-mp", "vllm-mp-eager", "vllm-ray", "vllm-async-mp-eager",
-         "core-async-mp-eager")
+         "core-async-mp-eager", "core-async-mp-nnsight", "core-async-ray-nnsight", "core-actor-ray-nnsight")
 WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "cache", "extract", "prefill", "shards",
              "gen-shards")
 
@@ -175,6 +180,64 @@ class CoreEntrypoint(AsyncEntrypoint):
         self.count += 1
         return self.call(every(f"call{self.count}"))
 
+    def timeline(self, since: float) -> dict:
+        """The engine logic's events and its ranks' steps from ``since`` on, as ``RayVLLM.timeline`` gives them
+        (the ranks answer only with nnsight_ray's worker)."""
+        ranks = self.call(self.engine.collective_rpc("nnsight_ray_step_timeline", args=(since,)))
+        return {"engine": self.core.timeline.since(since), "ranks": ranks}
+
+
+class CoreHost:
+    """A ``CoreEntrypoint`` as a Ray actor's state (``ActorEntrypoint``)."""
+
+    def __init__(self, path: str, kwargs: dict) -> None:
+        self.core = CoreEntrypoint(path, **kwargs)
+
+    def limits(self) -> dict:
+        scheduler = self.core.llm_engine.vllm_config.scheduler_config
+        return {"max_num_seqs": scheduler.max_num_seqs, "max_num_batched_tokens": scheduler.max_num_batched_tokens}
+
+    def generate(self, texts: list[str], sampling: Any) -> list:
+        return self.core.generate(texts, sampling)
+
+    def timeline(self, since: float) -> dict:
+        return self.core.timeline(since)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
+
+class ActorEntrypoint:
+    """``CoreEntrypoint`` inside a Ray actor, one actor call a generate (its outputs come back as the call's result,
+    with no merge actor): between ``core-async-ray-nnsight`` and ``ray``, the price of the engine logic living in a
+    Ray worker process behind an actor call."""
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        from types import SimpleNamespace
+
+        import ray
+
+        root = str(Path(__file__).resolve().parents[2])  # the worker imports this module as the bench does
+        host = ray.remote(num_cpus=0, runtime_env={"env_vars": {"PYTHONPATH": root}})(CoreHost)
+        self.actor = host.remote(path, kwargs)
+        limits = ray.get(self.actor.limits.remote())
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(scheduler_config=SimpleNamespace(**limits)))
+
+    def generate(self, texts: list[str], sampling: Any, use_tqdm: bool = False) -> list:
+        import ray
+
+        return ray.get(self.actor.generate.remote(texts, sampling))
+
+    def timeline(self, since: float) -> dict:
+        import ray
+
+        return ray.get(self.actor.timeline.remote(since))
+
+    def reset_prefix_cache(self) -> bool:
+        import ray
+
+        return ray.get(self.actor.reset_prefix_cache.remote())
+
 
 class Bench:
     """One engine in this process and the workloads run on it."""
@@ -225,6 +288,27 @@ class Bench:
             self.llm = CoreEntrypoint(path, distributed_executor_backend="mp", enforce_eager=True,
                                       disable_log_stats=True, enable_prefix_caching=False,
                                       enable_chunked_prefill=False, **kwargs)
+        elif self.engine in ("core-async-mp-nnsight", "core-async-ray-nnsight", "core-actor-ray-nnsight"):
+            from nnsight_ray._internal.engine import platform
+
+            for key, value in platform.engine_env().items():  # what RayVLLM's engine processes get
+                os.environ.setdefault(key, value)
+            from nnsight_ray._internal.ranks.limits import engine_limits
+
+            # the engine's limits as RayVLLM passes them (the ranks' watchdog reads them)
+            extra = engine_limits({"worker_cls": platform.worker_cls(), "distributed_executor_backend": "mp"})
+            if self.engine != "core-async-mp-nnsight":
+                from nnsight_ray._internal.cluster.local_cluster import loopback_only
+                from nnsight_ray._internal.ranks.executor import configure_engine_kwargs
+
+                loopback_only()
+                import ray
+
+                ray.init(address="local", namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
+                extra = configure_engine_kwargs({**extra, "distributed_executor_backend": "ray"})
+            entrypoint = ActorEntrypoint if self.engine == "core-actor-ray-nnsight" else CoreEntrypoint
+            self.llm = entrypoint(path, enforce_eager=True, disable_log_stats=True, enable_prefix_caching=False,
+                                  enable_chunked_prefill=False, **extra, **kwargs)
         elif self.engine in PLAIN:
             from vllm import LLM
 
@@ -259,6 +343,8 @@ class Bench:
             ray.init(address="local", namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
             began = time.perf_counter()  # the engine's start, not Ray's
             placement = {"cpus_per_rank": self.args.cpus_per_rank} if self.args.cpus_per_rank else {}
+            if os.environ.get("BENCH_CPU_BINDING"):
+                placement["cpu_binding"] = os.environ["BENCH_CPU_BINDING"]
             self.model = RayVLLM(path, name=f"bench-{os.getpid()}", **kwargs, **self.graph_kwargs(), **placement)
             resolved = self.model.resolved_config()
             print(f"[ray] {resolved['log']}", flush=True)
@@ -288,13 +374,15 @@ class Bench:
 
     def timeline(self, began: float, ended: float) -> str:
         """The run from ``began`` to ``ended`` (``time.monotonic``) as a timeline (``_internal/observe/timeline.py``);
-        RayVLLM rows only (its actors run on this host, on this clock)."""
-        if not self.engine.startswith("ray") or self.model is None:
+        RayVLLM rows and the engine-logic rows with nnsight_ray's worker (their processes run on this host, on this
+        clock)."""
+        nnsight_worker = self.engine in ("core-async-mp-nnsight", "core-async-ray-nnsight", "core-actor-ray-nnsight")
+        if not (self.engine.startswith("ray") and self.model is not None) and not nnsight_worker:
             return ""
         try:  # a diagnostic: never fails the row (an older tree, --tree, has none)
             from nnsight_ray._internal.observe.timeline import summarize
 
-            got = self.model.timeline(began)
+            got = self.llm.timeline(began) if nnsight_worker else self.model.timeline(began)
         except Exception as error:
             return f"(no timeline: {type(error).__name__}: {error})"
         return summarize(began, ended, got["engine"], got["ranks"][0] if got["ranks"] else [], got.get("merges", []),
