@@ -79,14 +79,11 @@ def sampling():
 
 
 def ray_row(path: str):
-    from nnsight_ray._internal.cluster.local_cluster import loopback_only
-
-    loopback_only()  # the row's Ray instance listens on 127.0.0.1 only
-    import ray
-
     from nnsight_ray import RayVLLM
 
-    ray.init(address="local", namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
+    from .gpu.workloads import local_ray
+
+    local_ray()  # the row's Ray instance listens on 127.0.0.1 only
     model = RayVLLM(path, name=f"split-{os.getpid()}", **ENGINE)
     params = sampling()
 
@@ -94,6 +91,8 @@ def ray_row(path: str):
         return model.vllm_entrypoint.generate(texts, params)
 
     def stop():
+        import ray
+
         model.shutdown()
         ray.shutdown()
 

@@ -33,6 +33,23 @@ WORKLOADS = ("generate", "registered", "trace", "nonblocking", "every-step", "ca
              "gen-shards")
 
 
+# The engine-logic rows whose ranks run nnsight_ray's worker (they answer the ranks' timeline RPC).
+NNSIGHT_WORKER_ROWS = ("core-async-mp-nnsight", "core-async-ray-nnsight", "core-actor-ray-nnsight")
+# nnsight's engine settings, as RayVLLM runs them (the engine-logic rows).
+NNSIGHT_SETTINGS = dict(enforce_eager=True, disable_log_stats=True, enable_prefix_caching=False,
+                        enable_chunked_prefill=False)
+
+
+def local_ray() -> None:
+    """This process's own Ray instance, listening on 127.0.0.1 only (a ``ray*`` or Ray-rank row, ``cpu_split``)."""
+    from nnsight_ray._internal.cluster.local_cluster import loopback_only
+
+    loopback_only()
+    import ray
+
+    ray.init(address="local", namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
+
+
 def prompts(n: int) -> list[str]:
     return [f"prompt {i}: " + "the quick brown fox jumps over the lazy dog "[: 20 + i % 20] for i in range(n)]
 
@@ -284,11 +301,9 @@ class Bench:
         if self.engine == "vllm-async-mp-eager":
             self.llm = AsyncEntrypoint(path, distributed_executor_backend="mp", enforce_eager=True,
                                        disable_log_stats=True, **kwargs)  # vllm.LLM's default, as ours
-        elif self.engine == "core-async-mp-eager":  # nnsight's settings, as RayVLLM runs them
-            self.llm = CoreEntrypoint(path, distributed_executor_backend="mp", enforce_eager=True,
-                                      disable_log_stats=True, enable_prefix_caching=False,
-                                      enable_chunked_prefill=False, **kwargs)
-        elif self.engine in ("core-async-mp-nnsight", "core-async-ray-nnsight", "core-actor-ray-nnsight"):
+        elif self.engine == "core-async-mp-eager":
+            self.llm = CoreEntrypoint(path, distributed_executor_backend="mp", **NNSIGHT_SETTINGS, **kwargs)
+        elif self.engine in NNSIGHT_WORKER_ROWS:
             from nnsight_ray._internal.engine import platform
 
             for key, value in platform.engine_env().items():  # what RayVLLM's engine processes get
@@ -298,17 +313,12 @@ class Bench:
             # the engine's limits as RayVLLM passes them (the ranks' watchdog reads them)
             extra = engine_limits({"worker_cls": platform.worker_cls(), "distributed_executor_backend": "mp"})
             if self.engine != "core-async-mp-nnsight":
-                from nnsight_ray._internal.cluster.local_cluster import loopback_only
                 from nnsight_ray._internal.ranks.executor import configure_engine_kwargs
 
-                loopback_only()
-                import ray
-
-                ray.init(address="local", namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
+                local_ray()
                 extra = configure_engine_kwargs({**extra, "distributed_executor_backend": "ray"})
             entrypoint = ActorEntrypoint if self.engine == "core-actor-ray-nnsight" else CoreEntrypoint
-            self.llm = entrypoint(path, enforce_eager=True, disable_log_stats=True, enable_prefix_caching=False,
-                                  enable_chunked_prefill=False, **extra, **kwargs)
+            self.llm = entrypoint(path, **NNSIGHT_SETTINGS, **extra, **kwargs)
         elif self.engine in PLAIN:
             from vllm import LLM
 
@@ -331,16 +341,11 @@ class Bench:
 
             self.model = LocalVLLM(path, dispatch=True, **kwargs, **self.graph_kwargs())
         elif self.engine.startswith("ray"):
-            from nnsight_ray._internal.cluster.local_cluster import loopback_only
-
-            loopback_only()  # the bench's Ray instance listens on 127.0.0.1 only
-            import ray
-
             from nnsight_ray import RayVLLM
             from nnsight_ray._internal.observe.timeline import watch_gc
 
             watch_gc()  # this process's long collections go into the rows' timelines ("caller gc")
-            ray.init(address="local", namespace="nnsight_ray", include_dashboard=False, log_to_driver=False)
+            local_ray()
             began = time.perf_counter()  # the engine's start, not Ray's
             placement = {"cpus_per_rank": self.args.cpus_per_rank} if self.args.cpus_per_rank else {}
             if os.environ.get("BENCH_CPU_BINDING"):
@@ -376,7 +381,7 @@ class Bench:
         """The run from ``began`` to ``ended`` (``time.monotonic``) as a timeline (``_internal/observe/timeline.py``);
         RayVLLM rows and the engine-logic rows with nnsight_ray's worker (their processes run on this host, on this
         clock)."""
-        nnsight_worker = self.engine in ("core-async-mp-nnsight", "core-async-ray-nnsight", "core-actor-ray-nnsight")
+        nnsight_worker = self.engine in NNSIGHT_WORKER_ROWS
         if not (self.engine.startswith("ray") and self.model is not None) and not nnsight_worker:
             return ""
         try:  # a diagnostic: never fails the row (an older tree, --tree, has none)
