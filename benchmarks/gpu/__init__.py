@@ -25,7 +25,13 @@ Equal footing:
   printed (rows of separate runs on a shared GPU differ by up to 1.7x).
 * ``--interleave``: every engine's process alive at once (started one after
   another, each start alone), and their runs taken in turn: run k of every row
-  before run k+1 of any, the other engines idle between their runs. A shared
+  before run k+1 of any, the other engines idle between their runs, and a pause
+  of ``--settle`` seconds (1.5) after each run: vLLM's shared-memory readers (a
+  worker waiting for its next step, the engine core for its workers' outputs)
+  spin on a core for a second after their last read, and on the 2-core machine
+  that took 170-590 ms of CPU from each run of the row after it
+  (``--schedstat N`` prints, per row, the host's threads that ran during its
+  turns and how long each waited for a core). A shared
   GPU's drift over minutes (plain eager has measured 8.2k tok/s in one
   invocation and 16.1k in another on the same card) then hits every row alike. The engines split
   the GPU's memory (``--gpu-memory-utilization`` 0.85 / engines): smaller
@@ -125,6 +131,7 @@ Modules: ``workloads`` (the engines and the workloads run on them, in a child
 process), ``child`` (one engine's child: its runs, timed), ``turns``
 (``--interleave``'s protocol between the parent and its children),
 ``diagnostics`` (resident memory, cProfile, py-spy, vLLM's kernel profiler),
+``schedstat`` (``--schedstat``: the host's thread times around each turn),
 ``cli`` (the parent: arguments, one child per engine, the table).
 """
 
@@ -139,8 +146,9 @@ os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 from .cli import PREWARM, child_skip, engine_env, engine_tree, main, table  # noqa: E402
+from .schedstat import Schedstat  # noqa: E402
 from .turns import Turns, interleave  # noqa: E402
 from .workloads import ENGINES, GRAPH_ENGINES, PLAIN, WORKLOADS, Bench, extract_prompts, prompts  # noqa: E402
 
-__all__ = ["ENGINES", "GRAPH_ENGINES", "PLAIN", "PREWARM", "WORKLOADS", "Bench", "Turns", "child_skip", "engine_env",
+__all__ = ["ENGINES", "GRAPH_ENGINES", "PLAIN", "PREWARM", "WORKLOADS", "Bench", "Schedstat", "Turns", "child_skip", "engine_env",
            "engine_tree", "extract_prompts", "interleave", "main", "prompts", "table"]

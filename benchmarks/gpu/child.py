@@ -1,4 +1,5 @@
-"""One engine's child process: start it, run each workload (a warm-up, then ``--repeats`` timed runs), write the JSON."""
+"""One engine's child process: start it, run its workloads in rounds (a warm-up of each, then ``--repeats`` rounds
+of one timed run of each), write the JSON."""
 
 from __future__ import annotations
 
@@ -13,8 +14,31 @@ from .turns import Turns
 from .workloads import Bench
 
 
+def summary(engine: str, workload: str, got: dict, last: bool) -> dict:
+    """A workload's runs so far: median, rates, step modes; printed (with timelines) after the last round."""
+    times, (tokens, saved), timelines = got["times"], got["amounts"], got["timelines"]
+    median = statistics.median(times)
+    modes = {k: v for k, v in got["modes"].items() if v}
+    row = {"seconds": list(times), "median_s": median, "tokens": tokens, "tokens_per_s": tokens / median,
+           "saved_bytes": saved, "saved_mb_per_s": saved / median / 1e6, "step_modes": modes}
+    if not last:
+        return row
+    print(f"[{engine}] {workload}: {tokens / median:,.0f} tok/s (runs {', '.join(f'{t:.2f}' for t in times)} s)"
+          f"{' steps ' + str(modes) if modes else ''}", flush=True)
+    if timelines[-1]:
+        row["timeline"] = timelines[-1]
+        print(f"[{engine}] {workload} last run, ms: {timelines[-1]}", flush=True)
+    slowest = max(range(len(times)), key=times.__getitem__)
+    if timelines[slowest] and slowest != len(times) - 1:  # the outlier's story (seen on an H200: run 3 of 5,
+        # ~0.4 s slower, in every RayVLLM row)
+        row["slowest_timeline"] = timelines[slowest]
+        print(f"[{engine}] {workload} slowest run ({slowest + 1} of {len(times)}), ms: {timelines[slowest]}",
+              flush=True)
+    return row
+
+
 def child(args: argparse.Namespace) -> None:
-    """Run one engine's workloads; write the JSON after each one (partial results survive a timeout)."""
+    """Run one engine's workloads; write the JSON after each round (partial results survive a timeout)."""
     import torch
 
     args.on_gpu = torch.cuda.is_available()
@@ -29,48 +53,39 @@ def child(args: argparse.Namespace) -> None:
         raise
     out.write_text(json.dumps(result))
     turn = Turns(args.turns, args.turn_tag)
-    for workload in bench.workloads():
-        base = workload.split("@")[0]  # "generate@trace": a plain row's floor run beside trace (--interleave)
-        run = getattr(bench, "run_" + base.replace("-", "_"))
-        try:
-            before = bench.before(base)
-            with turn(workload):
-                before()
-                run()  # warm-up (and the first check)
-                bench.after_run()
-            modes_before = bench.step_modes()
-            times, amounts, timelines = [], None, []
-            for _ in range(args.repeats):
+    # Rounds: a warm-up of every workload, then ``--repeats`` rounds of one timed run of each. A workload's run k
+    # and plain generate's run k are then minutes apart no more (``vs gen`` pairs them), as the rows' runs k are
+    # with ``--interleave``.
+    runs = {workload: {"times": [], "amounts": None, "timelines": [], "modes": {}} for workload in bench.workloads()}
+    for round_ in range(args.repeats + 1):
+        for workload, got in list(runs.items()):
+            base = workload.split("@")[0]  # "generate@trace": a plain row's floor run beside trace (--interleave)
+            run = getattr(bench, "run_" + base.replace("-", "_"))
+            try:
+                before = bench.before(base)
                 with turn(workload):
+                    if round_ == 0:
+                        before()
+                        run()  # warm-up (and the first check)
+                        bench.after_run()
+                        continue
+                    modes_before = bench.step_modes()
                     before()
                     began, mono = time.perf_counter(), time.monotonic()
-                    amounts = run()
-                    times.append(time.perf_counter() - began)
-                    timelines.append(bench.timeline(mono, time.monotonic()))  # untimed, between runs
+                    got["amounts"] = run()
+                    got["times"].append(time.perf_counter() - began)
+                    got["timelines"].append(bench.timeline(mono, time.monotonic()))  # untimed, between runs
+                    for mode, count in bench.step_modes().items():
+                        got["modes"][mode] = got["modes"].get(mode, 0) + count - modes_before.get(mode, 0)
                     bench.after_run()
-            timeline = timelines[-1]
-            slowest = max(range(len(times)), key=times.__getitem__)
-            median = statistics.median(times)
-            tokens, saved = amounts
-            modes = {k: v - modes_before.get(k, 0) for k, v in bench.step_modes().items()}
-            result["workloads"][workload] = {"seconds": times, "median_s": median, "tokens": tokens,
-                                             "tokens_per_s": tokens / median, "saved_bytes": saved,
-                                             "saved_mb_per_s": saved / median / 1e6,
-                                             "step_modes": {k: v for k, v in modes.items() if v}}
-            print(f"[{args.child}] {workload}: {tokens / median:,.0f} tok/s (runs {', '.join(f'{t:.2f}' for t in times)} s)"
-                  f"{' steps ' + str(result['workloads'][workload]['step_modes']) if modes else ''}", flush=True)
-            if timeline:
-                result["workloads"][workload]["timeline"] = timeline
-                print(f"[{args.child}] {workload} last run, ms: {timeline}", flush=True)
-            if timelines[slowest] and slowest != len(times) - 1:  # the outlier's story (seen on an H200: run 3
-                # of 5, ~0.4 s slower, in every RayVLLM row)
-                result["workloads"][workload]["slowest_timeline"] = timelines[slowest]
-                print(f"[{args.child}] {workload} slowest run ({slowest + 1} of {len(times)}), ms: {timelines[slowest]}",
-                      flush=True)
-        except Exception as error:
-            result["errors"][workload] = f"{type(error).__name__}: {error}"
-            print(f"[{args.child}] {workload} FAILED: {type(error).__name__}: {error}", flush=True)
-        out.write_text(json.dumps(result))
+            except Exception as error:
+                result["errors"][workload] = f"{type(error).__name__}: {error}"
+                print(f"[{args.child}] {workload} FAILED: {type(error).__name__}: {error}", flush=True)
+                del runs[workload]
+        if round_:
+            for workload, got in runs.items():
+                result["workloads"][workload] = summary(args.child, workload, got, last=round_ == args.repeats)
+            out.write_text(json.dumps(result))
     if args.profile:
         profile(bench, args.profile, args.workloads.split(","))
     if args.kernel_profile:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .schedstat import Schedstat
 from .turns import interleave
 from .workloads import ENGINES, WORKLOADS, floor_of
 
@@ -201,6 +202,13 @@ def main(argv: list[str] | None = None) -> None:
                              "profiler (torch.profiler); tables and traces go to DIR/<engine>/")
     parser.add_argument("--kernel-profile-workloads", default="prefill")
     parser.add_argument("--spy-top", type=int, default=25)
+    parser.add_argument("--settle", type=float, default=1.5, metavar="S",
+                        help="with --interleave: seconds between one turn's end and the next one's go (vLLM's "
+                             "shared-memory readers spin on a core for 1 s after their last read: without a "
+                             "pause, each turn shares the cores with the row that ran before it)")
+    parser.add_argument("--schedstat", type=int, default=0, metavar="N",
+                        help="with --interleave: per row, the N threads of the host that ran most during its turns "
+                             "(warm-ups included), with the time each ran and waited for a core (schedstat.py)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
@@ -275,8 +283,11 @@ def main(argv: list[str] | None = None) -> None:
 
         if args.interleave:
             began = time.perf_counter()
+            watch = Schedstat() if args.schedstat else None
             codes = interleave([(tag, command, env, tree) for _, tag, command, env, tree, _ in children],
-                               Path(scratch), args.timeout * len(children))
+                               Path(scratch), args.timeout * len(children), watch, args.settle)
+            if watch:
+                print(watch.report({tag: engine for engine, tag, *_ in children}, args.schedstat), flush=True)
             for engine, tag, *_, out in children:
                 collect(engine, out, codes[tag], time.perf_counter() - began)
         else:

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from .schedstat import Schedstat
+
 
 class Turns:
     """``--interleave``, in a child: each run (warm-up or timed) waits for the parent's go.
@@ -35,13 +37,18 @@ class Turns:
             self.k += 1
 
 
-def interleave(children: list[tuple[str, list[str], dict, str | None]], folder: Path, deadline_s: float) -> dict:
+def interleave(children: list[tuple[str, list[str], dict, str | None]], folder: Path, deadline_s: float,
+               watch: Schedstat | None = None, settle_s: float = 0.0) -> dict:
     """``--interleave``: every engine's process alive at once, each run of each in turn.
 
     The children start one after another (each start alone, timed in the child, as without it); then, round
     after round, each live child runs its next run (a warm-up or a timed run of its next workload) while
-    the others wait between runs: drift of a shared GPU over minutes hits every row alike. Returns each
-    engine's exit code (``"timeout"`` past ``deadline_s``)."""
+    the others wait between runs: drift of a shared GPU over minutes hits every row alike. ``watch``: the
+    host's thread times read around every turn (``--schedstat``). ``settle_s``: the pause after every
+    turn before the next one's go (``--settle``: vLLM's shared-memory readers, a worker waiting for its
+    next step and the engine core waiting for its workers' outputs, spin on a core for a second after
+    their last read; without the pause a turn shares the cores with the turn before it). Returns each engine's exit code
+    (``"timeout"`` past ``deadline_s``)."""
     deadline = time.monotonic() + deadline_s
     procs, codes, runs = {}, {}, {}
 
@@ -62,10 +69,16 @@ def interleave(children: list[tuple[str, list[str], dict, str | None]], folder: 
             if not wait_for(tag, "ready"):
                 live.remove(tag)
                 continue
+            if watch:
+                watch.begin()
             (folder / f"{tag}.{runs[tag]}.go").touch()
             if not wait_for(tag, "done"):
                 live.remove(tag)
                 continue
+            if watch:  # by row and workload (the ready file names the run's workload)
+                workload = (folder / f"{tag}.{runs[tag]}.ready").read_text()
+                watch.end(tag, {proc.pid: name for name, proc in procs.items()}, workload)
+            time.sleep(settle_s)
             runs[tag] += 1
     for tag, proc in procs.items():
         try:
