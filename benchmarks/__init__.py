@@ -20,3 +20,9 @@ under ``benchmarks/results/``.
 Nothing here is imported by the package ``nnsight_ray``; importing this package
 imports nothing else.
 """
+
+#: Seconds between one measured turn and the next when two engines take turns on one host: vLLM's shared-memory
+#: readers (a worker waiting for its next step, the engine core for its workers' outputs) spin on a core for one
+#: second after their last read (``SpinCondition``, vLLM 0.32), so without a pause each turn shares the cores with
+#: the engine that ran before it (170-590 ms of CPU in each ~0.8 s turn on the 2-core machine).
+SETTLE_S = 1.5

@@ -20,7 +20,8 @@ For each concurrency level, ``C`` client threads send traces back to back.
 The machine this runs on is shared and its load swings by the minute, so the
 two servers are measured in short alternating slices (``--slices`` of them,
 ``--requests`` traces each, at most ``--time-limit`` seconds each; the order
-flips every slice), and each server's requests/s is its total requests over
+flips every slice; a pause of ``--settle`` seconds before each, while the
+engine measured before it stops spinning), and each server's requests/s is its total requests over
 its total time: both see the same mix of quiet and busy moments. The median
 of the per-slice ratios is printed too. Each trace's values are checked
 against the first ones the nnsight server returned for the same prompt.
@@ -47,6 +48,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from . import SETTLE_S
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -247,6 +250,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--layer", type=int, default=2)
     parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per slice, at most")
+    parser.add_argument("--settle", type=float, default=SETTLE_S,
+                        help="seconds of pause before each slice: the engine measured before it stops spinning on a "
+                             "core (vLLM's shared-memory readers spin for 1 s after their last read)")
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -280,6 +286,7 @@ def main() -> None:
             for slice_ in range(args.slices):
                 order = list(servers) if slice_ % 2 == 0 else list(reversed(servers))
                 for name in order:
+                    time.sleep(args.settle)  # the other server's engine stops spinning (benchmarks.gpu.turns)
                     result = client.run(servers[name], concurrency, requests, args.time_limit)
                     result["load"] = os.getloadavg()[0]
                     results[name][concurrency].append(result)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .schedstat import Schedstat
+from .. import SETTLE_S
 from .turns import interleave
 from .workloads import ENGINES, WORKLOADS, floor_of
 
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
                              "profiler (torch.profiler); tables and traces go to DIR/<engine>/")
     parser.add_argument("--kernel-profile-workloads", default="prefill")
     parser.add_argument("--spy-top", type=int, default=25)
-    parser.add_argument("--settle", type=float, default=1.5, metavar="S",
+    parser.add_argument("--settle", type=float, default=SETTLE_S, metavar="S",
                         help="with --interleave: seconds between one turn's end and the next one's go (vLLM's "
                              "shared-memory readers spin on a core for 1 s after their last read: without a "
                              "pause, each turn shares the cores with the row that ran before it)")
