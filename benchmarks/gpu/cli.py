@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .schedstat import Schedstat
 from .. import SETTLE_S
+from .schedstat import Schedstat
 from .turns import interleave
 from .workloads import ENGINES, WORKLOADS, floor_of
 
@@ -208,8 +208,9 @@ def main(argv: list[str] | None = None) -> None:
                              "shared-memory readers spin on a core for 1 s after their last read: without a "
                              "pause, each turn shares the cores with the row that ran before it)")
     parser.add_argument("--schedstat", type=int, default=0, metavar="N",
-                        help="with --interleave: per row, the N threads of the host that ran most during its turns "
-                             "(warm-ups included), with the time each ran and waited for a core (schedstat.py)")
+                        help="with --interleave: per row and workload, the N threads of the host that ran most "
+                             "during its turns (warm-ups included), with the time each ran and waited for a core "
+                             "(schedstat.py)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)

@@ -103,8 +103,8 @@ class Schedstat:
             turns = max(self.turns[key], 1)
             total = sum(c[0] for c in row.values())
             own = sum(c[0] for (whose, *_), c in row.items() if whose == "own")
-            lines.append(f"\n[schedstat] {names.get(tag, tag)} {workload}: {turns} turns; per turn, ms on a core: all threads "
-                         f"{total / turns / 1e6:,.0f}, the row's own {own / turns / 1e6:,.0f}; top {top} "
+            lines.append(f"\n[schedstat] {names.get(tag, tag)} {workload}: {turns} turns; per turn, ms on a core: "
+                         f"all threads {total / turns / 1e6:,.0f}, the row's own {own / turns / 1e6:,.0f}; top {top} "
                          f"(whose, process, thread: ms ran, ms waited for a core, per turn)")
             for (whose, title, name), (ran, waited) in sorted(row.items(), key=lambda kv: -kv[1][0])[:top]:
                 whose = names.get(whose, whose)

@@ -47,8 +47,8 @@ def interleave(children: list[tuple[str, list[str], dict, str | None]], folder: 
     host's thread times read around every turn (``--schedstat``). ``settle_s``: the pause after every
     turn before the next one's go (``--settle``: vLLM's shared-memory readers, a worker waiting for its
     next step and the engine core waiting for its workers' outputs, spin on a core for a second after
-    their last read; without the pause a turn shares the cores with the turn before it). Returns each engine's exit code
-    (``"timeout"`` past ``deadline_s``)."""
+    their last read; without the pause a turn shares the cores with the turn before it). Returns each
+    engine's exit code (``"timeout"`` past ``deadline_s``)."""
     deadline = time.monotonic() + deadline_s
     procs, codes, runs = {}, {}, {}
 
