@@ -24,7 +24,7 @@ from typing import Any
 
 from nnsight.modeling.vllm import VLLM
 
-from ._internal.blocks import graphs
+from ._internal.blocks import graphs, skip
 from ._internal.engine import platform
 from ._internal.ranks import limits
 from .errors import RequestError, intervention_error, raise_intervention
@@ -193,6 +193,10 @@ class LocalVLLM(VLLM):
             and kwargs.get("serve") is None
         ):
             kwargs["backend"] = _TypedErrorAsyncBackend(self)
+        # nnsight's tracer, its bodies skipped without sys.settrace on Python 3.12+ (``blocks.skip``).
+        skipping = skip.tracer_cls()
+        if skipping is not None:
+            kwargs.setdefault("tracer_cls", skipping)
         return super().trace(*inputs, **kwargs)
 
     @staticmethod
