@@ -414,3 +414,14 @@ def test_async_engine_streams_a_trace(model_dir, hf_llama):
         engine, amodel.vllm_entrypoint = amodel.vllm_entrypoint, None
         engine.shutdown()
         del engine  # collected now, not during interpreter teardown
+
+
+def test_the_skip_tracer_gives_the_same_values_through_the_engine(llama):
+    """``blocks.skip.SkipTracer`` (what ``trace`` uses on Python 3.12+; on 3.11 its classes run nnsight's own skip)
+    composed with nnsight's vLLM tracer, against the tracer nnsight picks, on the same engine: equal values."""
+    from conftest import multi_invoke
+    from nnsight_ray._internal.blocks.skip import SkipTracer
+
+    a, b = multi_invoke(llama)
+    sa, sb = multi_invoke(llama, tracer_cls=SkipTracer)
+    assert torch.equal(a, sa) and torch.equal(b, sb)
