@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ENGINE_KWARGS  # at import time: see tests/unit/conftest.py
+from conftest import ENGINE_KWARGS, multi_invoke  # at import time: see tests/unit/conftest.py
 from nnsight_ray.errors import RequestError
 
 pytestmark = pytest.mark.integration
@@ -419,7 +419,6 @@ def test_async_engine_streams_a_trace(model_dir, hf_llama):
 def test_the_skip_tracer_gives_the_same_values_through_the_engine(llama):
     """``blocks.skip.SkipTracer`` (what ``trace`` uses on Python 3.12+; on 3.11 its classes run nnsight's own skip)
     composed with nnsight's vLLM tracer, against the tracer nnsight picks, on the same engine: equal values."""
-    from conftest import multi_invoke
     from nnsight_ray._internal.blocks.skip import SkipTracer
 
     a, b = multi_invoke(llama)
