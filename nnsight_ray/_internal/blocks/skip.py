@@ -8,7 +8,7 @@ tracer back. From Python 3.12 ``sys.settrace`` rides on ``sys.monitoring``:
 turning it on and off changes the interpreter's instrumentation version, and
 every function that runs afterwards is re-instrumented the first time it runs.
 A trace of 256 invokes toggles it 257 times: on the 2-core machine the invokes'
-capture took 14.2 ms under Python 3.12 against 3.1 ms under 3.11 (a tiny Llama,
+capture took 16.4 ms under Python 3.12 against 3.2 ms under 3.11 (a tiny Llama,
 ``LanguageModel``), and on the GPU hosts (Python 3.12) a 256-invoke trace spent
 28-47 ms in the caller before its attach where the CPU host (3.11) spends 5-6.
 
@@ -16,7 +16,7 @@ Design. ``SkipTracer`` (nnsight's ``VLLMTracer``, the ``tracer_cls`` seam of
 ``Envoy.trace``) and its ``SkipInvoker`` (``tracer.invoke``) skip the body with
 a ``LINE`` event local to the caller's code object (``sys.monitoring.set_local_events``,
 a tool id of nnsight_ray's own): only that code object is instrumented, and
-nothing else is re-instrumented (4.1 ms for the same 256 invokes). The callback
+nothing else is re-instrumented (4.6 ms for the same 256 invokes; ``benchmarks.invoke_capture``). The callback
 raises nnsight's ``ExitTracingException`` in the armed frame only (other frames
 running the same code, in other threads or recursion, go on), carrying the
 thread's tracer unchanged, so nnsight's ``__exit__`` runs the body through the
